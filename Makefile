@@ -1,0 +1,30 @@
+# One command installs everything, one runs the tests: see README.md.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.keras_mwms-installed
+PYTEST_ARGS ?=
+
+.PHONY: install test lint demo guides clean
+
+install: $(STAMP)
+
+# Reinstalls only when the package metadata or the pins change, so a second run is instant.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[tensorflow-cpu,jax,torch,dev]"
+	$(BIN)/python -c "import keras, tensorflow, jax, torch; print('installed keras', keras.__version__, '| tensorflow', tensorflow.__version__, '| jax', jax.__version__, '| torch', torch.__version__)"
+	touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check keras_mwms tests guides
+
+demo: install
+	$(BIN)/python -m keras_mwms.launch --workers 2 -m keras_mwms.demo
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,43 @@
+"""keras_mwms: TensorFlow's MultiWorkerMirroredStrategy for Keras 3 on every backend.
+
+Example:
+
+```python
+import keras, keras_mwms
+
+strategy = keras_mwms.MultiWorkerMirroredStrategy()     # reads TF_CONFIG, meets its peers
+with strategy.scope():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+model.fit(x, y, batch_size=64)                          # 64 is the global batch
+```
+
+Run it on two local workers: `python -m keras_mwms.launch --workers 2 train.py`.
+"""
+
+__version__ = "0.1.0"
+
+from keras_mwms.cluster import (  # noqa: E402
+    ClusterSpec,
+    SimpleClusterResolver,
+    TFConfigClusterResolver,
+    TFConfigError,
+)
+from keras_mwms.communication import CommunicationImplementation, CommunicationOptions  # noqa: E402
+from keras_mwms.data import AutoShardPolicy, InputContext  # noqa: E402
+from keras_mwms.rendezvous import RendezvousError  # noqa: E402
+from keras_mwms.strategy import MultiWorkerMirroredStrategy  # noqa: E402
+
+__all__ = [
+    "AutoShardPolicy",
+    "ClusterSpec",
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "InputContext",
+    "MultiWorkerMirroredStrategy",
+    "RendezvousError",
+    "SimpleClusterResolver",
+    "TFConfigClusterResolver",
+    "TFConfigError",
+    "__version__",
+]

@@ -1,0 +1,108 @@
+"""Which collective engine to use: `CommunicationImplementation` and `CommunicationOptions`.
+
+The names follow `tf.distribute.experimental`. Each backend maps the request onto its real
+engine (see `resolve_engine` in each `keras_mwms/backends/<name>.py`):
+
+| request | TensorFlow              | JAX                  | torch              |
+|---------|-------------------------|----------------------|--------------------|
+| AUTO    | TF collectives (NCCL on GPU, RING on CPU) | NCCL on GPU, gloo on CPU | nccl with CUDA, gloo otherwise |
+| RING    | TF gRPC ring            | gloo                 | gloo               |
+| NCCL    | NCCL; on CPU a warning and RING | NCCL; on CPU a warning and gloo | nccl; without CUDA a clear error |
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+
+from keras_mwms.rendezvous import DEFAULT_TIMEOUT_SECONDS
+
+RENDEZVOUS_TIMEOUT_ENV = "KERAS_MWMS_RENDEZVOUS_TIMEOUT"
+
+
+class CommunicationImplementation(enum.Enum):
+    """The collective engine family requested by the user.
+
+    Example:
+
+    >>> CommunicationImplementation["RING"]
+    <CommunicationImplementation.RING: 'RING'>
+    """
+
+    AUTO = "AUTO"
+    RING = "RING"
+    NCCL = "NCCL"
+
+
+def _default_rendezvous_timeout() -> float:
+    text = os.environ.get(RENDEZVOUS_TIMEOUT_ENV)
+    if not text:
+        return DEFAULT_TIMEOUT_SECONDS
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(
+            f"{RENDEZVOUS_TIMEOUT_ENV}={text!r} is not a number of seconds; set e.g. "
+            f"{RENDEZVOUS_TIMEOUT_ENV}=300"
+        ) from None
+    if value <= 0:
+        raise ValueError(f"{RENDEZVOUS_TIMEOUT_ENV} must be positive seconds, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class CommunicationOptions:
+    """How workers talk: engine, collective timeout, packing; mirrors `tf.distribute.experimental.CommunicationOptions`.
+
+    Example:
+
+    >>> options = CommunicationOptions(implementation=CommunicationImplementation.RING,
+    ...                                timeout_seconds=60)
+    >>> options.implementation.value, options.timeout_seconds
+    ('RING', 60.0)
+
+    Args:
+        bytes_per_pack: split gradients into all-reduce packs of about this many bytes
+            (0: the backend's default packing).
+        timeout_seconds: bound on every collective operation and on joining the backend engine;
+            None uses the backend's default bound set by keras_mwms (never infinite).
+        implementation: a `CommunicationImplementation` or its name (`"AUTO"`, `"RING"`, `"NCCL"`).
+        rendezvous_timeout_seconds: how long to wait for every worker to show up at start
+            (default: `KERAS_MWMS_RENDEZVOUS_TIMEOUT`, else 120 s).
+    """
+
+    bytes_per_pack: int = 0
+    timeout_seconds: float | None = None
+    implementation: CommunicationImplementation = CommunicationImplementation.AUTO
+    rendezvous_timeout_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        implementation = self.implementation
+        if isinstance(implementation, str):
+            try:
+                implementation = CommunicationImplementation[implementation.upper()]
+            except KeyError:
+                raise ValueError(
+                    f"Unknown communication implementation {self.implementation!r}. "
+                    "Expected AUTO, RING or NCCL."
+                ) from None
+        if not isinstance(implementation, CommunicationImplementation):
+            # Accept tf.distribute.experimental.CommunicationImplementation members by name.
+            name = getattr(implementation, "name", None)
+            if name not in CommunicationImplementation.__members__:
+                raise ValueError(
+                    f"implementation must be a CommunicationImplementation, got {implementation!r}"
+                )
+            implementation = CommunicationImplementation[name]
+        object.__setattr__(self, "implementation", implementation)
+        if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
+            raise ValueError(f"bytes_per_pack must be a non-negative int, got {self.bytes_per_pack!r}")
+        for name in ("timeout_seconds", "rendezvous_timeout_seconds"):
+            value = getattr(self, name)
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                    raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
+                object.__setattr__(self, name, float(value))
+        if self.rendezvous_timeout_seconds is None:
+            object.__setattr__(self, "rendezvous_timeout_seconds", _default_rendezvous_timeout())

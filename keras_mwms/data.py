@@ -1,0 +1,146 @@
+"""Global batches → per-replica shards: `InputContext`, `AutoShardPolicy` and the split rules.
+
+The contract (DESIGN.md §3): the batch the user gives (`batch_size`, or a dataset's batch) is
+the **global** batch. Each step consumes one global batch, split over all replicas in rank
+order: replica r of n takes a contiguous slice of every global batch. When the global batch is
+not divisible by n the first `G % n` replicas take one row more; a partial last batch fills
+replicas in order, so trailing replicas may get fewer (even zero) rows — exactly
+`tf.distribute`'s rebatching, which is what makes N workers equal one process.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+
+class AutoShardPolicy(enum.Enum):
+    """How a `tf.data` input is split between workers (as `tf.data.experimental.AutoShardPolicy`).
+
+    * `AUTO`: shard by files when the dataset reads files, else by data.
+    * `FILE`: each worker reads a disjoint subset of the input files.
+    * `DATA`: every worker reads everything and keeps its slice of each global batch.
+    * `OFF`: no sharding: each worker's dataset is already its own part of the data.
+
+    Example:
+
+    >>> AutoShardPolicy["DATA"]
+    <AutoShardPolicy.DATA: 'DATA'>
+    """
+
+    AUTO = "AUTO"
+    FILE = "FILE"
+    DATA = "DATA"
+    OFF = "OFF"
+
+
+class InputContext:
+    """What an input function needs to build its worker's part of the input pipeline.
+
+    Passed to the `dataset_fn` of `strategy.distribute_datasets_from_function`, as in
+    `tf.distribute.InputContext`.
+
+    Example:
+
+    >>> context = InputContext(num_input_pipelines=2, input_pipeline_id=1, num_replicas_in_sync=4)
+    >>> context.get_per_replica_batch_size(64)
+    16
+
+    Args:
+        num_input_pipelines: how many input pipelines (workers) there are.
+        input_pipeline_id: this pipeline's index (the worker index).
+        num_replicas_in_sync: replicas across all workers.
+    """
+
+    def __init__(self, num_input_pipelines: int = 1, input_pipeline_id: int = 0,
+                 num_replicas_in_sync: int = 1):
+        if num_input_pipelines < 1 or not 0 <= input_pipeline_id < num_input_pipelines:
+            raise ValueError(
+                f"input_pipeline_id {input_pipeline_id} must be in 0..{num_input_pipelines - 1}"
+            )
+        if num_replicas_in_sync < 1:
+            raise ValueError(f"num_replicas_in_sync must be >= 1, got {num_replicas_in_sync}")
+        self._num_input_pipelines = num_input_pipelines
+        self._input_pipeline_id = input_pipeline_id
+        self._num_replicas_in_sync = num_replicas_in_sync
+
+    @property
+    def num_input_pipelines(self) -> int:
+        return self._num_input_pipelines
+
+    @property
+    def input_pipeline_id(self) -> int:
+        return self._input_pipeline_id
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._num_replicas_in_sync
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        """`global_batch_size // num_replicas_in_sync`; `ValueError` if it does not divide."""
+        if global_batch_size % self._num_replicas_in_sync:
+            raise ValueError(
+                f"The global batch size ({global_batch_size}) must be divisible by "
+                f"num_replicas_in_sync ({self._num_replicas_in_sync}). Choose a multiple of "
+                f"{self._num_replicas_in_sync}."
+            )
+        return global_batch_size // self._num_replicas_in_sync
+
+    def __repr__(self) -> str:
+        return (f"InputContext(num_input_pipelines={self._num_input_pipelines}, "
+                f"input_pipeline_id={self._input_pipeline_id}, "
+                f"num_replicas_in_sync={self._num_replicas_in_sync})")
+
+
+def replica_slices(global_batch_size: int, num_replicas: int,
+                   rows: int | None = None) -> list[tuple[int, int]]:
+    """`(start, stop)` of each replica's rows within one global batch of `rows` rows.
+
+    Example:
+
+    >>> replica_slices(8, 2)
+    [(0, 4), (4, 8)]
+    >>> replica_slices(8, 2, rows=6)          # partial last batch
+    [(0, 4), (4, 6)]
+    >>> replica_slices(5, 2)                  # not divisible: first replica takes one more
+    [(0, 3), (3, 5)]
+    """
+    if global_batch_size < 1 or num_replicas < 1:
+        raise ValueError("global_batch_size and num_replicas must be >= 1")
+    rows = global_batch_size if rows is None else rows
+    base, extra = divmod(global_batch_size, num_replicas)
+    slices, start = [], 0
+    for replica in range(num_replicas):
+        size = base + (1 if replica < extra else 0)
+        stop = min(start + size, rows)
+        slices.append((min(start, rows), stop))
+        start += size
+    return slices
+
+
+def worker_row_indices(num_rows: int, global_batch_size: int, num_workers: int,
+                       worker_index: int, order: np.ndarray | None = None,
+                       replicas_per_worker: int = 1) -> list[np.ndarray]:
+    """Row indices of every step's local batch for one worker.
+
+    Step k covers rows `order[k*G:(k+1)*G]` (the global batch; `order` is a permutation
+    shared by all workers when shuffling, else identity). The worker takes the contiguous
+    slice belonging to its replicas. Every worker gets the same number of steps; on a partial
+    last batch a worker's slice may be empty.
+
+    Example:
+
+    >>> [step.tolist() for step in worker_row_indices(10, 4, 2, 1)]
+    [[2, 3], [6, 7], []]
+    """
+    order = np.arange(num_rows) if order is None else np.asarray(order)
+    num_replicas = num_workers * replicas_per_worker
+    steps = []
+    for step_start in range(0, num_rows, global_batch_size):
+        rows = min(global_batch_size, num_rows - step_start)
+        slices = replica_slices(global_batch_size, num_replicas, rows)
+        first = slices[worker_index * replicas_per_worker][0]
+        last = slices[(worker_index + 1) * replicas_per_worker - 1][1]
+        steps.append(order[step_start + first : step_start + last])
+    return steps

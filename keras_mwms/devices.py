@@ -1,0 +1,48 @@
+"""Local accelerators of the active Keras backend, read without starting a cluster."""
+
+from __future__ import annotations
+
+import os
+
+
+def backend_name() -> str:
+    """The Keras backend this process uses (`KERAS_BACKEND`, else Keras' configured one).
+
+    Example:
+
+    >>> backend_name() in ("tensorflow", "jax", "torch", "numpy", "openvino")
+    True
+    """
+    name = os.environ.get("KERAS_BACKEND")
+    if name:
+        return name
+    import keras
+
+    return keras.backend.backend()
+
+
+def local_gpu_count() -> int:
+    """How many GPUs this process's backend can see; 0 on a CPU-only machine.
+
+    Example:
+
+    >>> local_gpu_count() >= 0
+    True
+    """
+    name = backend_name()
+    if name == "torch":
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if name == "jax":
+        import jax
+
+        try:
+            return len(jax.devices("gpu"))
+        except RuntimeError:
+            return 0
+    if name == "tensorflow":
+        import tensorflow as tf
+
+        return len(tf.config.list_physical_devices("GPU"))
+    return 0

@@ -1,0 +1,370 @@
+"""Local gang launcher and supervisor: `python -m keras_mwms.launch --workers 2 train.py`.
+
+The model: a *gang* is N worker processes of one script, each with its own `TF_CONFIG`
+(localhost addresses on free ports, chosen at start). Synchronous training is all-or-nothing,
+so the gang lives and dies together:
+
+* every output line of worker i is prefixed with `[worker i]`;
+* when a worker exits non-zero, the others are stopped (SIGTERM, then SIGKILL after
+  `--grace-period` seconds) and the gang's exit code is that worker's;
+* with `--max-restarts K` a failed gang is started again, up to K times, on fresh ports,
+  saying why; a script with `keras_mwms.callbacks.BackupAndRestore` resumes where it stopped;
+* SIGINT/SIGTERM sent to the launcher are forwarded to every worker, then escalated;
+* each worker runs in its own process group, killed as a whole, and is told by the kernel to
+  die with the launcher (`PR_SET_PDEATHSIG`), so no process outlives the launcher.
+
+Exit code: 0 only when every worker of the last attempt exits 0.
+
+Each worker gets `TF_CONFIG`, `KERAS_MWMS_ATTEMPT` (0 on the first start),
+`KERAS_MWMS_LOCAL_WORKERS` (N) and, unless already set, `OMP_NUM_THREADS` = cores ÷ N:
+oversubscribing cores made synchronous training several times slower in our probes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from keras_mwms.cluster import format_address, make_tf_config
+
+DEFAULT_GRACE_PERIOD_SECONDS = 10.0
+_PR_SET_PDEATHSIG = 1
+
+
+def find_free_ports(count: int, host: str = "localhost") -> list[int]:
+    """Returns `count` distinct TCP ports that are free on `host` right now.
+
+    Example:
+
+    >>> ports = find_free_ports(2)
+    >>> len(set(ports)) == 2 and all(1024 <= port <= 65535 for port in ports)
+    True
+    """
+    sockets, ports = [], []
+    try:
+        while len(ports) < count:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            sockets.append(sock)
+            ports.append(sock.getsockname()[1])
+    finally:
+        for sock in sockets:
+            sock.close()
+    return ports
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: the kernel SIGKILLs it if the launcher dies."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def exit_code_of(returncode: int) -> int:
+    """Shell-style exit code: a death by signal N becomes 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe_exit(returncode: int) -> str:
+    """`"exit code 3"` or `"signal SIGKILL"`, for messages."""
+    if returncode < 0:
+        try:
+            return f"signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+@dataclass
+class WorkerProcess:
+    """One running worker of a gang."""
+
+    index: int
+    process: subprocess.Popen
+    pump: threading.Thread
+
+
+class Gang:
+    """Starts, watches and stops N workers of one command.
+
+    Example:
+
+    >>> import sys
+    >>> gang = Gang([sys.executable, "-c", "print('hi')"], workers=2)
+    >>> gang.run(output=open("/dev/null", "w"))
+    0
+
+    Args:
+        command: the worker command line (`[python, script, args...]`).
+        workers: how many workers to start.
+        host: the host name used in every worker's TF_CONFIG address.
+        port_base: first port (worker i gets `port_base + i`); free ports if None.
+        grace_period: seconds between SIGTERM and SIGKILL when stopping workers.
+        attempt: passed to workers as `KERAS_MWMS_ATTEMPT`.
+        extra_env: variables added to every worker's environment.
+        worker_env: variables added to one worker's environment, by worker index (for
+            fault injection and tests).
+    """
+
+    def __init__(self, command: Sequence[str], workers: int, host: str = "localhost",
+                 port_base: int | None = None, grace_period: float = DEFAULT_GRACE_PERIOD_SECONDS,
+                 attempt: int = 0, extra_env: dict[str, str] | None = None,
+                 worker_env: dict[int, dict[str, str]] | None = None):
+        if workers < 1:
+            raise ValueError(f"--workers must be at least 1, got {workers}")
+        self.command = list(command)
+        self.workers = workers
+        self.host = host
+        ports = (list(range(port_base, port_base + workers)) if port_base
+                 else find_free_ports(workers, host))
+        self.addresses = [format_address(host, port) for port in ports]
+        self.grace_period = grace_period
+        self.attempt = attempt
+        self.extra_env = dict(extra_env or {})
+        self.worker_env = {index: dict(env) for index, env in (worker_env or {}).items()}
+        self.running: list[WorkerProcess] = []
+        self._output_lock = threading.Lock()
+
+    def _environment(self, index: int) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.extra_env)
+        env.update(self.worker_env.get(index, {}))
+        env["TF_CONFIG"] = make_tf_config(self.addresses, index)
+        env["KERAS_MWMS_ATTEMPT"] = str(self.attempt)
+        env["KERAS_MWMS_LOCAL_WORKERS"] = str(self.workers)
+        env["PYTHONUNBUFFERED"] = "1"
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.workers)))
+        return env
+
+    def _pump(self, index: int, stream, output) -> None:
+        prefix = f"[worker {index}] "
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            with self._output_lock:
+                output.write(prefix + line + "\n")
+                output.flush()
+        stream.close()
+
+    def start(self, output=None) -> None:
+        """Starts every worker; their merged stdout/stderr go to `output` line by line."""
+        output = output or sys.stdout
+        for index in range(self.workers):
+            process = subprocess.Popen(
+                self.command, env=self._environment(index), stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+            pump = threading.Thread(target=self._pump, args=(index, process.stdout, output),
+                                    daemon=True)
+            pump.start()
+            self.running.append(WorkerProcess(index, process, pump))
+
+    def signal_all(self, signum: int) -> None:
+        """Sends `signum` to every live worker's whole process group."""
+        for worker in self.running:
+            if worker.process.poll() is None:
+                try:
+                    os.killpg(worker.process.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    def stop(self) -> None:
+        """SIGTERM to every live worker, SIGKILL after the grace period; waits for all."""
+        self.signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_period
+        while time.monotonic() < deadline and any(w.process.poll() is None for w in self.running):
+            time.sleep(0.05)
+        self.signal_all(signal.SIGKILL)
+        for worker in self.running:
+            # The group may hold grandchildren even after the leader exited.
+            try:
+                os.killpg(worker.process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            worker.process.wait()
+            worker.pump.join(timeout=5)
+
+    def wait(self, timeout: float | None = None) -> tuple[int, int | None]:
+        """Waits until all exit 0 (returns `(0, None)`) or one fails (`(code, worker index)`).
+
+        Raises `TimeoutError` when `timeout` seconds pass first (the workers keep running).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"workers still running after {timeout} s")
+            codes = [worker.process.poll() for worker in self.running]
+            for worker, code in zip(self.running, codes):
+                if code not in (None, 0):
+                    return code, worker.index
+            if all(code == 0 for code in codes):
+                return 0, None
+            time.sleep(0.05)
+
+    def run(self, output=None) -> int:
+        """Starts the gang, waits, stops the rest on the first failure; returns the raw code."""
+        self.start(output)
+        try:
+            code, _ = self.wait()
+        finally:
+            self.stop()
+        return code
+
+
+class Launcher:
+    """Runs a gang, restarting it up to `max_restarts` times after a failure.
+
+    Example:
+
+    >>> import sys
+    >>> Launcher([sys.executable, "-c", "pass"], workers=2, log=open("/dev/null", "w")).run()
+    0
+
+    Args:
+        command: the worker command line.
+        workers: workers per gang.
+        max_restarts: how many times a failed gang is started again.
+        host: host name for TF_CONFIG addresses.
+        port_base: fixed first port, or None for free ports on every attempt.
+        grace_period: seconds between SIGTERM and SIGKILL.
+        log: where the launcher's own messages go (stderr by default).
+    """
+
+    def __init__(self, command: Sequence[str], workers: int, max_restarts: int = 0,
+                 host: str = "localhost", port_base: int | None = None,
+                 grace_period: float = DEFAULT_GRACE_PERIOD_SECONDS, log=None, output=None):
+        if max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
+        self.command = list(command)
+        self.workers = workers
+        self.max_restarts = max_restarts
+        self.host = host
+        self.port_base = port_base
+        self.grace_period = grace_period
+        self.log = log or sys.stderr
+        self.output = output or sys.stdout
+        self.gang: Gang | None = None
+        self._signalled: int | None = None
+
+    def _say(self, message: str) -> None:
+        self.log.write(f"[launcher] {message}\n")
+        self.log.flush()
+
+    def _on_signal(self, signum, frame) -> None:
+        del frame
+        self._signalled = signum
+        self._say(f"received {signal.Signals(signum).name}; forwarding it to every worker")
+        if self.gang is not None:
+            self.gang.signal_all(signum)
+
+    def run(self) -> int:
+        """Runs until success, a signal, or the restart budget is spent; returns the exit code."""
+        handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                handlers[signum] = signal.signal(signum, self._on_signal)
+        try:
+            return self._run_attempts()
+        finally:
+            if self.gang is not None:
+                self.gang.stop()
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+
+    def _run_attempts(self) -> int:
+        for attempt in range(self.max_restarts + 1):
+            self.gang = Gang(self.command, self.workers, self.host, self.port_base,
+                             self.grace_period, attempt)
+            self._say(f"attempt {attempt + 1}/{self.max_restarts + 1}: starting {self.workers} "
+                      f"worker(s) at {', '.join(self.gang.addresses)}")
+            started = time.monotonic()
+            self.gang.start(self.output)
+            try:
+                code, index = self.gang.wait()
+            finally:
+                self.gang.stop()
+            elapsed = time.monotonic() - started
+            if self._signalled is not None:
+                self._say(f"stopped by {signal.Signals(self._signalled).name} after {elapsed:.1f} s")
+                return 128 + self._signalled
+            if code == 0:
+                self._say(f"all {self.workers} worker(s) finished successfully in {elapsed:.1f} s")
+                return 0
+            reason = f"worker {index} failed with {describe_exit(code)} after {elapsed:.1f} s"
+            if attempt < self.max_restarts:
+                self._say(f"{reason}; stopped the others; restarting the gang "
+                          f"(restart {attempt + 1} of {self.max_restarts})")
+                continue
+            budget = f" and {self.max_restarts} restart(s) were used" if self.max_restarts else ""
+            self._say(f"{reason}; stopped the others{budget}; giving up")
+            return exit_code_of(code)
+        raise AssertionError("unreachable")
+
+
+def build_parser(prog: str = "python -m keras_mwms.launch") -> argparse.ArgumentParser:
+    """The launcher's command-line interface."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Start N local workers of a Keras script with TF_CONFIG set, watch them, "
+                    "stop them together, and optionally restart the gang.",
+        epilog="Example: %(prog)s --workers 2 --max-restarts 3 train.py --epochs 5",
+    )
+    parser.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="restart the whole gang up to this many times after a failure")
+    parser.add_argument("--host", default="localhost", help="host name in TF_CONFIG addresses")
+    parser.add_argument("--port-base", type=int, default=None,
+                        help="worker i listens on PORT_BASE + i (default: free ports)")
+    parser.add_argument("--grace-period", type=float, default=DEFAULT_GRACE_PERIOD_SECONDS,
+                        help="seconds between SIGTERM and SIGKILL when stopping workers")
+    parser.add_argument("-m", dest="module", default=None,
+                        help="run a module (like python -m) instead of a script")
+    parser.add_argument("script_and_args", nargs=argparse.REMAINDER,
+                        help="the training script and its arguments")
+    return parser
+
+
+def command_from_arguments(arguments: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    """Turns parsed arguments into the worker command line, or exits with a usage error."""
+    rest = list(arguments.script_and_args)
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+    if arguments.module:
+        return [sys.executable, "-u", "-m", arguments.module, *rest]
+    if not rest:
+        parser.error("give the training script to run (or -m module)")
+    if not os.path.exists(rest[0]):
+        parser.error(f"script {rest[0]!r} not found")
+    return [sys.executable, "-u", *rest]
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m keras_mwms.launch") -> int:
+    """Entry point of `python -m keras_mwms.launch` and `keras-mwms launch`."""
+    parser = build_parser(prog)
+    arguments = parser.parse_args(argv)
+    if arguments.workers < 1:
+        parser.error(f"--workers must be at least 1, got {arguments.workers}")
+    if arguments.max_restarts < 0:
+        parser.error(f"--max-restarts must be >= 0, got {arguments.max_restarts}")
+    if arguments.port_base is not None and not 1 <= arguments.port_base <= 65535 - arguments.workers:
+        parser.error(f"--port-base {arguments.port_base} leaves no room for "
+                     f"{arguments.workers} ports below 65536")
+    command = command_from_arguments(arguments, parser)
+    launcher = Launcher(command, arguments.workers, arguments.max_restarts, arguments.host,
+                        arguments.port_base, arguments.grace_period)
+    return launcher.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

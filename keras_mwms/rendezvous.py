@@ -1,0 +1,354 @@
+"""Pre-flight rendezvous: every worker meets every other before any backend engine starts.
+
+Backends fail badly when a peer is missing or configured differently: TensorFlow waits
+forever, JAX aborts the process after minutes, torch times out with a store error. So before a
+backend binds anything, keras_mwms runs this small, bounded handshake over plain TCP:
+
+* Every member of the collective group listens on its own `TF_CONFIG` address and connects to
+  every other member's address (retrying until the deadline). Both ends of each connection
+  send a one-line JSON *hello*: the task's name and index, the address it believes it has, and
+  a *fingerprint* (the ordered cluster, keras_mwms / Keras / backend versions, backend name,
+  collective choice).
+* Each side compares the peer's hello with its own view. Any difference (another cluster order,
+  another Keras version, a second process claiming the same index, a peer at an unexpected
+  address) fails *fast* on both ends, with a message naming the odd worker and the field.
+  A failing worker keeps answering with an `abort` hello until it has told every peer it can
+  reach, so the failure spreads in milliseconds instead of waiting for timeouts.
+* When a worker has exchanged hellos with every peer in both directions, it closes its
+  listener: the port is free again for the backend (the connecting side closes first, so
+  `TIME_WAIT` never sits on a listening port).
+* A deadline bounds everything: on expiry each worker raises `RendezvousError` naming the
+  tasks it never heard from and their addresses.
+
+The handshake is plain Python (no ML backend needed) and single-worker jobs skip it.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from keras_mwms.cluster import split_address
+
+PROTOCOL = "keras_mwms-rendezvous/1"
+DEFAULT_TIMEOUT_SECONDS = 120.0
+RETRY_INTERVAL_SECONDS = 0.1
+SOCKET_TIMEOUT_SECONDS = 5.0
+MAX_HELLO_BYTES = 1 << 20
+
+
+class RendezvousError(RuntimeError):
+    """The workers of a job could not all meet with identical configurations.
+
+    The message names the missing or mismatched tasks, their addresses and what to fix.
+
+    Example:
+
+    >>> from keras_mwms.rendezvous import RendezvousError
+    >>> issubclass(RendezvousError, RuntimeError)
+    True
+    """
+
+
+@dataclass
+class Peer:
+    """One member of the collective group as this worker sees it."""
+
+    rank: int
+    name: str
+    address: str
+
+
+@dataclass
+class _State:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    heard_from: set = field(default_factory=set)
+    reached: set = field(default_factory=set)
+    errors: list = field(default_factory=list)
+    abort_told: set = field(default_factory=set)
+
+    def fail(self, message: str) -> None:
+        with self.lock:
+            if message not in self.errors:
+                self.errors.append(message)
+
+    @property
+    def aborted(self) -> bool:
+        with self.lock:
+            return bool(self.errors)
+
+
+def _send_line(sock: socket.socket, payload: Mapping[str, Any]) -> None:
+    sock.sendall(json.dumps(payload, sort_keys=True).encode() + b"\n")
+
+
+def _read_line(sock: socket.socket) -> dict[str, Any]:
+    buffer = b""
+    while b"\n" not in buffer:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("connection closed before a full hello arrived")
+        buffer += chunk
+        if len(buffer) > MAX_HELLO_BYTES:
+            raise ConnectionError("hello larger than 1 MiB: not a keras_mwms peer")
+    message = json.loads(buffer.split(b"\n", 1)[0])
+    if not isinstance(message, dict) or message.get("protocol") != PROTOCOL:
+        raise ConnectionError(f"not a {PROTOCOL} peer (got {str(message)[:120]!r})")
+    return message
+
+
+def describe_difference(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> str:
+    """Names every fingerprint field that differs, with both values.
+
+    Example:
+
+    >>> describe_difference({"keras": "3.15.1", "backend": "jax"},
+    ...                     {"keras": "3.14.0", "backend": "jax"})
+    "keras: theirs='3.14.0', ours='3.15.1'"
+    """
+    keys = sorted(set(ours) | set(theirs))
+    parts = [
+        f"{key}: theirs={theirs.get(key)!r}, ours={ours.get(key)!r}"
+        for key in keys
+        if ours.get(key) != theirs.get(key)
+    ]
+    return "; ".join(parts)
+
+
+class Rendezvous:
+    """One worker's side of the pre-flight handshake; `run()` returns or raises within `timeout`.
+
+    Example (a one-worker group meets itself at once):
+
+    >>> Rendezvous(["localhost:0"], rank=0, fingerprint={"backend": "none"}).run()
+
+    Args:
+        addresses: `host:port` of every group member in rank order (chief first).
+        rank: this worker's position in `addresses`.
+        fingerprint: JSON-serialisable facts that must be identical on every worker.
+        timeout: seconds before giving up on missing workers (default 120).
+        names: display names per rank (default `worker:<rank>`).
+    """
+
+    def __init__(self, addresses: Sequence[str], rank: int, fingerprint: Mapping[str, Any],
+                 timeout: float = DEFAULT_TIMEOUT_SECONDS, names: Sequence[str] | None = None):
+        if timeout <= 0:
+            raise ValueError(f"rendezvous timeout must be positive seconds, got {timeout!r}")
+        if not 0 <= rank < len(addresses):
+            raise ValueError(f"rank {rank} is outside 0..{len(addresses) - 1}")
+        names = list(names) if names is not None else [f"worker:{i}" for i in range(len(addresses))]
+        self.peers = [Peer(i, names[i], address) for i, address in enumerate(addresses)]
+        self.me = self.peers[rank]
+        self.fingerprint = dict(fingerprint)
+        self.timeout = float(timeout)
+        self._state = _State()
+
+    def _hello(self) -> dict[str, Any]:
+        hello = {
+            "protocol": PROTOCOL,
+            "rank": self.me.rank,
+            "name": self.me.name,
+            "address": self.me.address,
+            "fingerprint": self.fingerprint,
+        }
+        if self._state.aborted:
+            hello["abort"] = self._state.errors[0]
+        return hello
+
+    def _check(self, hello: Mapping[str, Any], expected: Peer | None, seen_as: str) -> int | None:
+        """Validates a peer's hello; records a failure and returns None if it is not acceptable."""
+        name, rank, address = hello.get("name"), hello.get("rank"), hello.get("address")
+        who = f"{name} at {address} ({seen_as})"
+        if "abort" in hello:
+            if not self._state.aborted:
+                # Relay the root cause verbatim, so every worker prints the same sentence.
+                self._state.fail(str(hello["abort"]))
+            return None
+        difference = describe_difference(self.fingerprint, hello.get("fingerprint", {}))
+        if difference:
+            self._state.fail(
+                f"{who} is configured differently from {self.me.name} at {self.me.address}: "
+                f"{difference}. Every worker must run the same TF_CONFIG cluster (same order), "
+                "the same package versions and the same backend options."
+            )
+            return None
+        if not isinstance(rank, int) or not 0 <= rank < len(self.peers):
+            self._state.fail(f"{who} sent an invalid rank {rank!r}.")
+            return None
+        if rank == self.me.rank:
+            self._state.fail(
+                f"Two processes claim {self.me.name} ({self.me.address}): this one and {who}. "
+                "Give each worker its own task.index in TF_CONFIG."
+            )
+            return None
+        if expected is not None and rank != expected.rank:
+            self._state.fail(
+                f"{self.me.name} expected {expected.name} at {expected.address} but found {who}. "
+                "Check every worker's task.index and that the address list is identical everywhere."
+            )
+            return None
+        return rank
+
+    # ------------------------------------------------------------------ listening side
+    def _serve(self, listener: socket.socket, stop: threading.Event) -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                connection, remote = listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(connection, remote), daemon=True).start()
+
+    def _answer(self, connection: socket.socket, remote: Any) -> None:
+        with connection:
+            connection.settimeout(SOCKET_TIMEOUT_SECONDS)
+            try:
+                hello = _read_line(connection)
+                rank = self._check(hello, None, f"connected from {remote[0]}")
+                reply = self._hello()
+                _send_line(connection, reply)
+                # Let the connecting side close first so TIME_WAIT lands on its ephemeral port.
+                connection.recv(1)
+            except (OSError, ValueError, ConnectionError):
+                return
+            with self._state.lock:
+                if rank is not None:
+                    self._state.heard_from.add(rank)
+                if "abort" in reply:
+                    self._state.abort_told.add(hello.get("rank"))
+
+    # ------------------------------------------------------------------ connecting side
+    def _greet(self, peer: Peer, deadline: float, spreading: bool = False) -> bool:
+        """Exchanges hellos with `peer`; False if it could not be reached before `deadline`."""
+        host, port = split_address(peer.address)
+        while time.monotonic() < deadline and (spreading or not self._state.aborted):
+            try:
+                with socket.create_connection((host, port), timeout=SOCKET_TIMEOUT_SECONDS) as sock:
+                    sock.settimeout(SOCKET_TIMEOUT_SECONDS)
+                    sent = self._hello()
+                    _send_line(sock, sent)
+                    hello = _read_line(sock)
+                    if "abort" in sent:
+                        with self._state.lock:
+                            self._state.abort_told.add(peer.rank)
+                    if self._check(hello, peer, f"reached at {peer.address}") is not None:
+                        with self._state.lock:
+                            self._state.reached.add(peer.rank)
+                    return True
+            except socket.gaierror as error:
+                self._state.fail(
+                    f"Cannot resolve the host of {peer.name} ({peer.address}): {error}. "
+                    "Fix the host name in TF_CONFIG or the machine's DNS."
+                )
+                return False
+            except (OSError, ConnectionError, ValueError):
+                time.sleep(RETRY_INTERVAL_SECONDS)
+        return False
+
+    # ------------------------------------------------------------------ binding
+    def _listen(self) -> socket.socket:
+        host, port = split_address(self.me.address)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind((host, port))
+        except OSError as error:
+            if error.errno == errno.EADDRNOTAVAIL:
+                # The TF_CONFIG host is not an address of this machine (a service name, NAT):
+                # listen on every interface, as the backends themselves do.
+                listener.bind(("::" if family == socket.AF_INET6 else "", port))
+            elif error.errno == errno.EADDRINUSE:
+                listener.close()
+                raise self._port_taken_error() from None
+            else:
+                listener.close()
+                raise RendezvousError(
+                    f"{self.me.name} cannot listen on its TF_CONFIG address {self.me.address}: "
+                    f"{error}. Check that the host name belongs to this machine."
+                ) from None
+        listener.listen(max(16, 2 * len(self.peers)))
+        return listener
+
+    def _port_taken_error(self) -> RendezvousError:
+        """Asks whoever holds our port who they are, so a duplicate worker is named as such."""
+        host, port = split_address(self.me.address)
+        occupant = "another program"
+        try:
+            with socket.create_connection((host, port), timeout=2) as sock:
+                sock.settimeout(2)
+                # A plain hello: the occupant's own checks name the conflict on its side.
+                _send_line(sock, self._hello())
+                reply = _read_line(sock)
+                occupant = f"another keras_mwms worker that calls itself {reply.get('name')}"
+        except (OSError, ConnectionError, ValueError):
+            pass
+        return RendezvousError(
+            f"{self.me.name} cannot listen on {self.me.address}: the port is already in use by "
+            f"{occupant}. Stop that program, or give this worker a free port in TF_CONFIG "
+            "(and check that no two workers share a task.index)."
+        )
+
+    # ------------------------------------------------------------------ main
+    def run(self) -> None:
+        """Meets every peer or raises `RendezvousError`; returns with the listening port released."""
+        others = [peer for peer in self.peers if peer.rank != self.me.rank]
+        if not others:
+            return
+        start = time.monotonic()
+        deadline = start + self.timeout
+        listener = self._listen()
+        stop = threading.Event()
+        server = threading.Thread(target=self._serve, args=(listener, stop), daemon=True)
+        server.start()
+        greeters = [threading.Thread(target=self._greet, args=(peer, deadline), daemon=True)
+                    for peer in others]
+        try:
+            for greeter in greeters:
+                greeter.start()
+            while time.monotonic() < deadline and not self._state.aborted:
+                with self._state.lock:
+                    if len(self._state.heard_from) == len(self._state.reached) == len(others):
+                        break
+                time.sleep(0.02)
+            if self._state.aborted:
+                self._spread_abort(others, min(deadline, time.monotonic() + 3))
+        finally:
+            stop.set()
+            server.join(timeout=2)
+            listener.close()
+        self._raise_if_failed(others, time.monotonic() - start)
+
+    def _spread_abort(self, others: Sequence[Peer], until: float) -> None:
+        """Tells every peer that has not yet heard our abort, so nobody waits for a timeout."""
+        with self._state.lock:
+            untold = [peer for peer in others if peer.rank not in self._state.abort_told]
+        messengers = [threading.Thread(target=self._greet, args=(peer, until, True), daemon=True)
+                      for peer in untold]
+        for messenger in messengers:
+            messenger.start()
+        for messenger in messengers:
+            messenger.join(timeout=max(0.0, until - time.monotonic()))
+
+    def _raise_if_failed(self, others: Sequence[Peer], elapsed: float) -> None:
+        with self._state.lock:
+            errors = list(self._state.errors)
+            missing = [peer for peer in others
+                       if peer.rank not in self._state.heard_from or peer.rank not in self._state.reached]
+        if errors:
+            raise RendezvousError(f"{self.me.name}: rendezvous failed: " + " | ".join(errors))
+        if missing:
+            listing = ", ".join(f"{peer.name} ({peer.address})" for peer in missing)
+            raise RendezvousError(
+                f"{self.me.name} ({self.me.address}) gave up after {elapsed:.0f} s waiting for "
+                f"{listing}. Start every worker listed in TF_CONFIG within the timeout, check "
+                "that their host:port is reachable from here (firewalls), or raise the timeout "
+                "(CommunicationOptions(timeout_seconds=...) or KERAS_MWMS_RENDEZVOUS_TIMEOUT)."
+            )

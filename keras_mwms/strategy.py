@@ -1,0 +1,244 @@
+"""`MultiWorkerMirroredStrategy`: the facade users see, on every Keras backend.
+
+Construction order is the whole point of this module:
+
+1. **resolve** — read and validate `TF_CONFIG` (or take the given resolver);
+2. **rendezvous** — meet every worker over plain TCP, bounded and fingerprinted, so a missing
+   or misconfigured worker is named instead of hanging a backend forever;
+3. **join** — start the backend's real collective engine (TF collectives, `jax.distributed`,
+   `torch.distributed`) on the chief's address.
+
+Everything after construction is delegated to the backend adapter in `keras_mwms.backends`.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Callable
+
+from keras_mwms import __version__, devices
+from keras_mwms.backends import backend_class
+from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver, TFConfigClusterResolver
+from keras_mwms.communication import CommunicationOptions
+from keras_mwms.rendezvous import Rendezvous
+
+_active_strategy: MultiWorkerMirroredStrategy | None = None
+
+
+def build_fingerprint(resolver: ClusterResolver, options: CommunicationOptions,
+                      backend_name: str, backend_version: str, engine: str) -> dict[str, Any]:
+    """The facts that must be identical on every worker, compared during the rendezvous.
+
+    Example:
+
+    >>> from keras_mwms.cluster import SimpleClusterResolver
+    >>> resolver = SimpleClusterResolver({"worker": ["h0:1", "h1:1"]}, "worker", 1)
+    >>> build_fingerprint(resolver, CommunicationOptions(), "jax", "0.10.2", "gloo")["cluster"]
+    ['worker:0@h0:1', 'worker:1@h1:1']
+    """
+    import keras
+
+    return {
+        "cluster": [f"{job}:{index}@{address}" for (job, index), address
+                    in zip(resolver.group_tasks, resolver.worker_addresses)],
+        "keras_mwms": __version__,
+        "keras": keras.__version__,
+        "backend": backend_name,
+        "backend_version": backend_version,
+        "engine": engine,
+        "implementation": options.implementation.value,
+    }
+
+
+class MultiWorkerMirroredStrategy:
+    """Synchronous data-parallel training across workers, for Keras 3 on any backend.
+
+    Each worker runs the same script; `TF_CONFIG` tells it the cluster and its place in it.
+    Creating the strategy meets every other worker (a bounded rendezvous that names missing or
+    misconfigured workers), then starts the backend's collective engine. Models and optimizers
+    created inside `scope()` get mirrored variables, identical on every worker from step 0;
+    `model.fit` then consumes one global batch per step, split across all replicas, with
+    gradients all-reduced and global metrics in the logs.
+
+    Without `TF_CONFIG` the strategy runs a single worker, like plain Keras, and warns once.
+
+    Example:
+
+    ```python
+    import keras, keras_mwms
+
+    strategy = keras_mwms.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=64, epochs=2)   # 64 = the global batch
+    ```
+
+    Launch it locally with `python -m keras_mwms.launch --workers 2 train.py`.
+
+    Args:
+        communication_options: a `CommunicationOptions` (engine, collective timeout, packing,
+            rendezvous timeout). Default: AUTO.
+        cluster_resolver: a `TFConfigClusterResolver` or `SimpleClusterResolver`. Default:
+            read `TF_CONFIG`.
+    """
+
+    def __init__(self, communication_options: CommunicationOptions | None = None,
+                 cluster_resolver: ClusterResolver | None = None):
+        global _active_strategy
+        self._resolver = cluster_resolver if cluster_resolver is not None else TFConfigClusterResolver()
+        self._options = communication_options if communication_options is not None else CommunicationOptions()
+        if not isinstance(self._options, CommunicationOptions):
+            raise TypeError(
+                "communication_options must be a keras_mwms.CommunicationOptions, got "
+                f"{type(self._options).__name__}; build one with "
+                "keras_mwms.CommunicationOptions(implementation=...)."
+            )
+        self._tf_config_at_creation = os.environ.get(TF_CONFIG_ENV, "")
+        if self._resolver.worker_index is None:
+            raise ValueError(
+                f"This process is task {self._resolver.task_name}, which does not train: only "
+                "`chief` and `worker` tasks join a MultiWorkerMirroredStrategy. Run evaluators "
+                "without the strategy."
+            )
+        self._backend_name = devices.backend_name()
+        backend_type = backend_class(self._backend_name)
+        self._backend = backend_type(self._resolver, self._options)
+        if self._resolver.num_workers == 1:
+            warnings.warn(
+                "keras_mwms.MultiWorkerMirroredStrategy is running a single worker "
+                + ("(TF_CONFIG is not set). " if not self._tf_config_at_creation else
+                   "(TF_CONFIG lists one worker). ")
+                + "Set TF_CONFIG on every worker, or start them with "
+                "`python -m keras_mwms.launch --workers N script.py`, to train on several.",
+                stacklevel=2,
+            )
+        else:
+            fingerprint = build_fingerprint(self._resolver, self._options, self._backend_name,
+                                            backend_type.version(),
+                                            self._backend.engine_description())
+            names = [f"{job}:{index}" for job, index in self._resolver.group_tasks]
+            Rendezvous(self._resolver.worker_addresses, self._resolver.worker_index, fingerprint,
+                       timeout=self._options.rendezvous_timeout_seconds, names=names).run()
+        self._backend.join()
+        _active_strategy = self
+
+    # -- identity -------------------------------------------------------------------------
+    @property
+    def cluster_resolver(self) -> ClusterResolver:
+        """The resolver: `task_type`, `task_id`, `cluster_spec()`, `is_chief`, `worker_index`."""
+        return self._resolver
+
+    @property
+    def communication_options(self) -> CommunicationOptions:
+        return self._options
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Replicas across all workers (workers × local devices)."""
+        return self._backend.num_replicas_in_sync
+
+    @property
+    def is_chief(self) -> bool:
+        """True on the worker that writes checkpoints and logs (`chief:0`, else `worker:0`)."""
+        return self._resolver.is_chief
+
+    @property
+    def worker_index(self) -> int:
+        """This worker's rank in the collective group (chief = 0)."""
+        return self._resolver.worker_index
+
+    @property
+    def num_workers(self) -> int:
+        """How many worker processes train together."""
+        return self._resolver.num_workers
+
+    @property
+    def backend(self):
+        """The backend adapter (advanced use: `keras_mwms.backends.*`)."""
+        return self._backend
+
+    def check_tf_config_unchanged(self) -> None:
+        """Warns when `TF_CONFIG` appeared or changed after the strategy was created."""
+        current = os.environ.get(TF_CONFIG_ENV, "")
+        if current != self._tf_config_at_creation:
+            state = "was set" if not self._tf_config_at_creation else "changed"
+            warnings.warn(
+                f"TF_CONFIG {state} after keras_mwms.MultiWorkerMirroredStrategy was created; this "
+                f"job still trains as {self.num_workers} worker(s) with the cluster it saw at "
+                "creation. Set TF_CONFIG before creating the strategy.",
+                stacklevel=3,
+            )
+
+    # -- tf.distribute surface ------------------------------------------------------------
+    def scope(self):
+        """Context manager: models, optimizers and metrics created inside are mirrored.
+
+        Example: `with strategy.scope(): model = make_model(); model.compile(...)`.
+        """
+        return self._backend.scope()
+
+    def run(self, fn: Callable, args: tuple = (), kwargs: dict | None = None) -> Any:
+        """Runs `fn(*args, **kwargs)` on every local replica; returns per-replica results.
+
+        Example: `per_replica_loss = strategy.run(train_step, args=(batch,))`.
+        """
+        return self._backend.run(fn, args, kwargs)
+
+    def reduce(self, reduce_op: Any, value: Any, axis: int | None) -> Any:
+        """Reduces a per-replica `value` across all replicas of all workers.
+
+        Args:
+            reduce_op: `"SUM"` or `"MEAN"` (or a `tf.distribute.ReduceOp`).
+            value: a per-replica value from `run`, or a plain tensor.
+            axis: also reduce along this axis of each replica's value (None: only across replicas).
+        """
+        name = getattr(reduce_op, "value", reduce_op)
+        name = str(name).upper()
+        if name not in ("SUM", "MEAN"):
+            raise ValueError(f"reduce_op must be 'SUM' or 'MEAN', got {reduce_op!r}")
+        return self._backend.reduce(name, value, axis)
+
+    def experimental_local_results(self, value: Any) -> tuple:
+        """This worker's per-replica components of `value` as a tuple."""
+        return self._backend.experimental_local_results(value)
+
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+        """Distributes a dataset batched at the **global** batch size across replicas."""
+        return self._backend.experimental_distribute_dataset(dataset, options)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable, options: Any = None) -> Any:
+        """Calls `dataset_fn(input_context)` on each worker; the dataset must be batched per replica.
+
+        Example:
+
+        ```python
+        def dataset_fn(input_context):
+            batch = input_context.get_per_replica_batch_size(64)
+            return make_dataset().shard(input_context.num_input_pipelines,
+                                        input_context.input_pipeline_id).batch(batch)
+        dist_dataset = strategy.distribute_datasets_from_function(dataset_fn)
+        ```
+        """
+        return self._backend.distribute_datasets_from_function(dataset_fn, options)
+
+    def barrier(self, name: str = "barrier") -> None:
+        """Waits until every worker reaches this point (bounded by the collective timeout)."""
+        self._backend.barrier(name)
+
+    def __repr__(self) -> str:
+        return (f"MultiWorkerMirroredStrategy(backend={self._backend_name}, "
+                f"worker={self.worker_index}/{self.num_workers}, "
+                f"replicas={self.num_replicas_in_sync})")
+
+
+def get_strategy() -> MultiWorkerMirroredStrategy | None:
+    """The most recently created strategy of this process, or None (used by callbacks).
+
+    Example:
+
+    >>> get_strategy() is None or isinstance(get_strategy(), MultiWorkerMirroredStrategy)
+    True
+    """
+    return _active_strategy
