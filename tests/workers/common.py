@@ -1,0 +1,102 @@
+"""Shared pieces of the worker scenario scripts: data, models, result dumps.
+
+A scenario script runs in every worker (and, without TF_CONFIG, as the single-process
+reference), trains with fixed data and seeds, and writes `<out>/w<index>.npz` (final weights)
+and `<out>/w<index>.json` (history, evaluate, timings, anything the test asserts on).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+START = time.time()
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+NUM_FEATURES = 12
+NUM_CLASSES = 3
+
+
+def worker_index() -> int:
+    """This process's rank from TF_CONFIG (0 for the single-process reference)."""
+    from keras_mwms.cluster import TFConfigClusterResolver
+
+    return TFConfigClusterResolver().worker_index or 0
+
+
+def log(*parts) -> None:
+    print(f"[t={time.time() - START:6.1f}s]", *parts, flush=True)
+
+
+def regression_data(rows: int = 256, seed: int = 7):
+    """Deterministic float32 regression data, identical on every worker."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, NUM_FEATURES)).astype("float32")
+    w = rng.normal(size=(NUM_FEATURES, 1)).astype("float32")
+    y = (np.tanh(x @ w) + 0.05 * rng.normal(size=(rows, 1))).astype("float32")
+    return x, y
+
+
+def classification_data(rows: int = 256, seed: int = 11):
+    """Deterministic classification data (int labels in 0..NUM_CLASSES-1)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, NUM_FEATURES)).astype("float32")
+    w = rng.normal(size=(NUM_FEATURES, NUM_CLASSES)).astype("float32")
+    y = (x @ w).argmax(-1).astype("int32")
+    return x, y
+
+
+def mlp(outputs: int = 1, hidden: int = 16, batch_norm: bool = False, dropout: float = 0.0,
+        synchronized: bool = True):
+    """A small MLP; create it inside `strategy.scope()`."""
+    import keras
+
+    layers = [keras.Input((NUM_FEATURES,)), keras.layers.Dense(hidden, activation="relu")]
+    if batch_norm:
+        layers.append(keras.layers.BatchNormalization(synchronized=synchronized))
+    if dropout:
+        layers.append(keras.layers.Dropout(dropout))
+    layers += [keras.layers.Dense(hidden, activation="relu"), keras.layers.Dense(outputs)]
+    return keras.Sequential(layers)
+
+
+def save_result(out_dir: str, index: int, model=None, **results) -> None:
+    """Writes the model's weights to `w<index>.npz` and `results` to `w<index>.json`."""
+    import numpy as np
+
+    os.makedirs(out_dir, exist_ok=True)
+    if model is not None:
+        np.savez(os.path.join(out_dir, f"w{index}.npz"), *model.get_weights())
+    results.setdefault("seconds", time.time() - START)
+    with open(os.path.join(out_dir, f"w{index}.json"), "w") as handle:
+        json.dump(results, handle, indent=1, default=float)
+
+
+def load_weights(out_dir: str, index: int) -> list:
+    import numpy as np
+
+    with np.load(os.path.join(out_dir, f"w{index}.npz")) as data:
+        return [data[f"arr_{i}"] for i in range(len(data.files))]
+
+
+def load_result(out_dir: str, index: int) -> dict:
+    with open(os.path.join(out_dir, f"w{index}.json")) as handle:
+        return json.load(handle)
+
+
+def max_weight_difference(a: list, b: list) -> float:
+    """max |a - b| over all weights; inf if the shapes differ."""
+    import numpy as np
+
+    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+        return float("inf")
+    return max((float(np.abs(x - y).max()) for x, y in zip(a, b) if x.size), default=0.0)
