@@ -25,7 +25,8 @@ import ipaddress
 import json
 import os
 import warnings
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 TF_CONFIG_ENV = "TF_CONFIG"
 CHIEF = "chief"
@@ -129,7 +130,7 @@ class ClusterSpec:
         cluster: a mapping from job name to the list of its task addresses.
     """
 
-    def __init__(self, cluster: Mapping[str, Sequence[str]] | "ClusterSpec" | None = None):
+    def __init__(self, cluster: Mapping[str, Sequence[str]] | ClusterSpec | None = None):
         if isinstance(cluster, ClusterSpec):
             cluster = cluster.as_dict()
         self._jobs: dict[str, list[str]] = {
@@ -397,7 +398,7 @@ class ClusterResolver:
 
     @property
     def environment(self) -> str | None:
-        """TF_CONFIG's `environment` (e.g. `"cloud"`), or None."""
+        """The `environment` given to the constructor (e.g. `"google"`), or None."""
         return self._environment
 
     def master(self, task_type: str | None = None, task_id: int | None = None,
@@ -495,7 +496,7 @@ class TFConfigClusterResolver(ClusterResolver):
         task_type: overrides `task.type` of `TF_CONFIG`.
         task_id: overrides `task.index` of `TF_CONFIG`.
         rpc_layer: overrides `rpc_layer` of `TF_CONFIG`.
-        environment: overrides `environment` of `TF_CONFIG`.
+        environment: the environment name (like TensorFlow, not read from `TF_CONFIG`).
         tf_config: the JSON to read instead of the environment variable (for tests and tools).
     """
 
@@ -514,7 +515,8 @@ class TFConfigClusterResolver(ClusterResolver):
         self._task_type = task_type if task_type is not None else config["task_type"]
         self._task_id = task_id if task_id is not None else config["task_id"]
         self._rpc_layer = rpc_layer if rpc_layer is not None else config["rpc_layer"]
-        self._environment = environment if environment is not None else config["environment"]
+        # Like TensorFlow's resolver: `environment` comes from the argument only.
+        self._environment = environment
         self._warn_about_ps()
 
     @property

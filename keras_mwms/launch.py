@@ -31,8 +31,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from keras_mwms.cluster import format_address, make_tf_config
 

@@ -14,9 +14,12 @@ backend binds anything, keras_mwms runs this small, bounded handshake over plain
   address) fails *fast* on both ends, with a message naming the odd worker and the field.
   A failing worker keeps answering with an `abort` hello until it has told every peer it can
   reach, so the failure spreads in milliseconds instead of waiting for timeouts.
-* When a worker has exchanged hellos with every peer in both directions, it closes its
-  listener: the port is free again for the backend (the connecting side closes first, so
-  `TIME_WAIT` never sits on a listening port).
+* When a worker has exchanged hellos with every peer in both directions it tells the chief
+  it is *ready*; the chief answers every ready worker with *go* once all are ready, or with
+  the abort reason if anything failed anywhere. So either every worker starts its backend or
+  none does (a duplicate worker that one peer saw late still stops the whole gang).
+* Then each worker closes its listener: the port is free again for the backend (the
+  connecting side always closes first, so `TIME_WAIT` never sits on a listening port).
 * A deadline bounds everything: on expiry each worker raises `RendezvousError` naming the
   tasks it never heard from and their addresses.
 
@@ -30,8 +33,9 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from keras_mwms.cluster import split_address
 
@@ -71,6 +75,7 @@ class _State:
     reached: set = field(default_factory=set)
     errors: list = field(default_factory=list)
     abort_told: set = field(default_factory=set)
+    ready: dict = field(default_factory=dict)
 
     def fail(self, message: str) -> None:
         with self.lock:
@@ -151,6 +156,7 @@ class Rendezvous:
     def _hello(self) -> dict[str, Any]:
         hello = {
             "protocol": PROTOCOL,
+            "kind": "hello",
             "rank": self.me.rank,
             "name": self.me.name,
             "address": self.me.address,
@@ -200,29 +206,100 @@ class Rendezvous:
         while not stop.is_set():
             try:
                 connection, remote = listener.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return
             threading.Thread(target=self._answer, args=(connection, remote), daemon=True).start()
 
     def _answer(self, connection: socket.socket, remote: Any) -> None:
-        with connection:
-            connection.settimeout(SOCKET_TIMEOUT_SECONDS)
-            try:
-                hello = _read_line(connection)
-                rank = self._check(hello, None, f"connected from {remote[0]}")
-                reply = self._hello()
-                _send_line(connection, reply)
-                # Let the connecting side close first so TIME_WAIT lands on its ephemeral port.
-                connection.recv(1)
-            except (OSError, ValueError, ConnectionError):
+        connection.settimeout(SOCKET_TIMEOUT_SECONDS)
+        try:
+            message = _read_line(connection)
+            if message.get("kind") == "ready":
+                # Phase 2 (chief only): hold the connection until the chief says go or abort.
+                with self._state.lock:
+                    self._state.ready[message.get("rank")] = connection
                 return
+            rank = self._check(message, None, f"connected from {remote[0]}")
+            reply = self._hello()
+            _send_line(connection, reply)
+            # Let the connecting side close first so TIME_WAIT lands on its ephemeral port.
+            connection.recv(1)
+        except (OSError, ValueError, ConnectionError):
+            connection.close()
+            return
+        connection.close()
+        with self._state.lock:
+            if rank is not None:
+                self._state.heard_from.add(rank)
+            if "abort" in reply:
+                self._state.abort_told.add(message.get("rank"))
+
+    # ------------------------------------------------------------------ phase 2: go / abort
+    def _collect_ready(self, others: Sequence[Peer], deadline: float) -> None:
+        """Chief: waits until every peer confirmed it met everyone, or a failure/deadline."""
+        while time.monotonic() < deadline and not self._state.aborted:
             with self._state.lock:
-                if rank is not None:
-                    self._state.heard_from.add(rank)
-                if "abort" in reply:
-                    self._state.abort_told.add(hello.get("rank"))
+                if len(self._state.ready) == len(others):
+                    return
+            time.sleep(0.02)
+        if not self._state.aborted:
+            with self._state.lock:
+                late = [peer for peer in others if peer.rank not in self._state.ready]
+            self._state.fail(
+                "the rendezvous deadline passed before "
+                + ", ".join(f"{peer.name} ({peer.address})" for peer in late)
+                + " confirmed it had met every worker; see their logs."
+            )
+
+    def _release_ready(self) -> None:
+        """Chief: answers every held confirmation with go (success) or the abort reason."""
+        with self._state.lock:
+            held = list(self._state.ready.values())
+            self._state.ready.clear()
+            verdict = ({"kind": "abort", "reason": self._state.errors[0]} if self._state.errors
+                       else {"kind": "go"})
+        for connection in held:
+            try:
+                _send_line(connection, {"protocol": PROTOCOL, **verdict})
+                connection.settimeout(2)
+                connection.recv(1)
+            except OSError:
+                pass
+            finally:
+                connection.close()
+
+    def _await_go(self, deadline: float) -> None:
+        """Non-chief: tells the chief it met everyone and waits for the chief's verdict."""
+        chief = self.peers[0]
+        host, port = split_address(chief.address)
+        while time.monotonic() < deadline and not self._state.aborted:
+            try:
+                with socket.create_connection((host, port), timeout=SOCKET_TIMEOUT_SECONDS) as sock:
+                    _send_line(sock, {"protocol": PROTOCOL, "kind": "ready", "rank": self.me.rank})
+                    sock.settimeout(0.2)
+                    buffer = b""
+                    while time.monotonic() < deadline and not self._state.aborted:
+                        try:
+                            chunk = sock.recv(65536)
+                        except TimeoutError:
+                            continue
+                        if not chunk:
+                            self._state.fail(f"{chief.name} ({chief.address}) ended the rendezvous "
+                                             "without a verdict; see its log.")
+                            return
+                        buffer += chunk
+                        if b"\n" in buffer:
+                            verdict = json.loads(buffer.split(b"\n", 1)[0])
+                            if verdict.get("kind") != "go":
+                                self._state.fail(str(verdict.get("reason", "the chief aborted")))
+                            return
+                    break
+            except OSError:
+                time.sleep(RETRY_INTERVAL_SECONDS)
+        if not self._state.aborted:
+            self._state.fail(f"no go from {chief.name} ({chief.address}) before the deadline.")
 
     # ------------------------------------------------------------------ connecting side
     def _greet(self, peer: Peer, deadline: float, spreading: bool = False) -> bool:
@@ -288,6 +365,9 @@ class Rendezvous:
                 _send_line(sock, self._hello())
                 reply = _read_line(sock)
                 occupant = f"another keras_mwms worker that calls itself {reply.get('name')}"
+                difference = describe_difference(self.fingerprint, reply.get("fingerprint", {}))
+                if difference:
+                    occupant += f" and is configured differently: {difference}"
         except (OSError, ConnectionError, ValueError):
             pass
         return RendezvousError(
@@ -313,14 +393,25 @@ class Rendezvous:
         try:
             for greeter in greeters:
                 greeter.start()
+            met_everyone = False
             while time.monotonic() < deadline and not self._state.aborted:
                 with self._state.lock:
                     if len(self._state.heard_from) == len(self._state.reached) == len(others):
+                        met_everyone = True
                         break
                 time.sleep(0.02)
+            # Phase 2: nobody starts unless everybody met everybody (a late duplicate or a
+            # failure seen by one worker must stop all of them).
+            if met_everyone:
+                if self.me.rank == 0:
+                    self._collect_ready(others, deadline)
+                else:
+                    self._await_go(deadline)
             if self._state.aborted:
                 self._spread_abort(others, min(deadline, time.monotonic() + 3))
         finally:
+            if self.me.rank == 0:
+                self._release_ready()
             stop.set()
             server.join(timeout=2)
             listener.close()

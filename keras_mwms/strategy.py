@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from keras_mwms import __version__, devices
 from keras_mwms.backends import backend_class

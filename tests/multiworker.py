@@ -12,9 +12,9 @@ import io
 import os
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from keras_mwms.launch import Gang
 

@@ -12,7 +12,8 @@ import abc
 import contextlib
 import os
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from keras_mwms.cluster import ClusterResolver
 from keras_mwms.communication import CommunicationOptions
@@ -85,7 +86,7 @@ class Backend(abc.ABC):
     def join(self) -> None:
         """Starts the backend's collective engine; called after the rendezvous succeeded."""
 
-    def leave(self) -> None:
+    def leave(self) -> None:  # noqa: B027 - optional hook, most engines need no teardown
         """Tears the engine down; safe to call twice."""
 
     # -- tf.distribute-style surface ------------------------------------------------------
