@@ -1,0 +1,195 @@
+"""The gang launcher and the `keras-mwms` CLI (keras_mwms/launch.py, keras_mwms/cli.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from keras_mwms.cluster import parse_tf_config
+from keras_mwms.launch import Gang, describe_exit, exit_code_of, find_free_ports
+from tests.multiworker import REPO, WORKERS_DIR
+
+WORKER = str(WORKERS_DIR / "launch_worker.py")
+
+
+def launch(tmp_path: Path, *launcher_args: str, worker_args=(), timeout=60, wait=True):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir(exist_ok=True)
+    command = [sys.executable, "-m", "keras_mwms.launch", *launcher_args, WORKER,
+               "--pid-dir", str(pid_dir), *worker_args]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    if not wait:
+        return process, pid_dir
+    try:
+        out, err = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    return process.returncode, out, err, pid_dir
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in state
+
+
+def worker_pids(pid_dir: Path) -> list[int]:
+    return [int(path.read_text()) for path in pid_dir.glob("*.pid")]
+
+
+def assert_no_survivors(pid_dir: Path) -> None:
+    pids = worker_pids(pid_dir)
+    assert pids, "the workers never started"
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
+        time.sleep(0.05)
+    assert not [pid for pid in pids if alive(pid)], "worker processes survived the launcher"
+
+
+def test_all_workers_succeed(tmp_path):
+    code, out, err, pid_dir = launch(tmp_path, "--workers", "3")
+    assert code == 0, err
+    for index in range(3):
+        assert f"[worker {index}] hello from index {index} attempt 0 of 3" in out
+        assert f"[worker {index}] stderr line from {index}" in out
+        assert f"[worker {index}] index {index} done" in out
+    assert "all 3 worker(s) finished successfully" in err
+    assert "threads=" in out
+    assert_no_survivors(pid_dir)
+
+
+def test_one_failure_stops_the_others_and_returns_its_code(tmp_path):
+    started = time.monotonic()
+    code, out, err, pid_dir = launch(
+        tmp_path, "--workers", "3", "--grace-period", "2",
+        worker_args=["--fail-index", "1", "--fail-code", "3", "--sleep", "120"])
+    elapsed = time.monotonic() - started
+    assert code == 3, err
+    assert "worker 1 failed with exit code 3" in err
+    assert elapsed < 30, f"the survivors were not stopped promptly ({elapsed:.1f} s)"
+    assert "index 0 done" not in out
+    assert_no_survivors(pid_dir)
+
+
+def test_workers_that_ignore_sigterm_are_killed_after_the_grace_period(tmp_path):
+    started = time.monotonic()
+    code, _, err, pid_dir = launch(
+        tmp_path, "--workers", "2", "--grace-period", "1",
+        worker_args=["--fail-index", "0", "--sleep", "120", "--ignore-sigterm"])
+    assert code == 3, err
+    assert time.monotonic() - started < 30
+    assert_no_survivors(pid_dir)
+
+
+def test_restart_recovers_a_first_attempt_failure(tmp_path):
+    code, out, err, pid_dir = launch(tmp_path, "--workers", "2", "--max-restarts", "2",
+                                     "--grace-period", "2",
+                                     worker_args=["--fail-first-attempt", "--sleep", "1"])
+    assert code == 0, err
+    assert "worker 1 failed with exit code 7" in err
+    assert "restarting the gang (restart 1 of 2)" in err
+    assert "attempt 2/3" in err
+    assert "[worker 1] hello from index 1 attempt 1 of 2" in out
+    assert_no_survivors(pid_dir)
+
+
+def test_restart_budget_is_bounded(tmp_path):
+    code, _, err, pid_dir = launch(tmp_path, "--workers", "2", "--max-restarts", "1",
+                                   "--grace-period", "1", worker_args=["--fail-index", "0"])
+    assert code == 3
+    assert err.count("starting 2 worker(s)") == 2
+    assert "giving up" in err
+    assert_no_survivors(pid_dir)
+
+
+def test_sigterm_to_the_launcher_is_forwarded(tmp_path):
+    process, pid_dir = launch(tmp_path, "--workers", "2", "--grace-period", "2",
+                              worker_args=["--sleep", "120"], wait=False)
+    try:
+        deadline = time.monotonic() + 30
+        while len(worker_pids(pid_dir)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 128 + signal.SIGTERM, err
+    assert "received SIGTERM" in err
+    assert_no_survivors(pid_dir)
+
+
+def test_workers_die_with_a_killed_launcher(tmp_path):
+    process, pid_dir = launch(tmp_path, "--workers", "2", worker_args=["--sleep", "120"], wait=False)
+    try:
+        deadline = time.monotonic() + 30
+        while len(worker_pids(pid_dir)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        process.kill()
+        process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert_no_survivors(pid_dir)
+
+
+def test_usage_errors(tmp_path):
+    for arguments, phrase in [(["--workers", "0", "x.py"], "at least 1"),
+                              (["--workers", "2", "missing.py"], "not found"),
+                              (["--workers", "2"], "give the training script")]:
+        completed = subprocess.run([sys.executable, "-m", "keras_mwms.launch", *arguments],
+                                   cwd=REPO, capture_output=True, text=True, timeout=60,
+                                   env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert completed.returncode == 2
+        assert phrase in completed.stderr
+
+
+def test_gang_sets_one_tf_config_per_worker():
+    gang = Gang([sys.executable, "-c", "pass"], workers=3, port_base=41000)
+    configs = [parse_tf_config(gang._environment(index)["TF_CONFIG"]) for index in range(3)]
+    assert [c["task_id"] for c in configs] == [0, 1, 2]
+    assert all(c["cluster"]["worker"] == ["localhost:41000", "localhost:41001", "localhost:41002"]
+               for c in configs)
+
+
+def test_free_ports_and_exit_descriptions():
+    assert len(set(find_free_ports(5))) == 5
+    assert exit_code_of(-9) == 137 and exit_code_of(3) == 3
+    assert describe_exit(-15) == "signal SIGTERM" and describe_exit(2) == "exit code 2"
+
+
+def test_cli_tf_config_prints_valid_json():
+    completed = subprocess.run(
+        [sys.executable, "-m", "keras_mwms.cli", "tf-config", "--workers", "n1:2222,n2:2222",
+         "--index", "1"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert completed.returncode == 0, completed.stderr
+    assert json.loads(completed.stdout) == {"cluster": {"worker": ["n1:2222", "n2:2222"]},
+                                            "task": {"type": "worker", "index": 1}}
+
+
+def test_cli_tf_config_rejects_a_bad_index():
+    completed = subprocess.run(
+        [sys.executable, "-m", "keras_mwms.cli", "tf-config", "--workers", "n1:2222", "--index", "3"],
+        cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert completed.returncode == 2
+    assert "task.index" in completed.stderr
+
+
+@pytest.mark.parametrize("arguments,code", [([], 2), (["--help"], 0), (["bogus"], 2)])
+def test_cli_dispatch(arguments, code):
+    completed = subprocess.run([sys.executable, "-m", "keras_mwms.cli", *arguments], cwd=REPO,
+                               capture_output=True, text=True, timeout=60)
+    assert completed.returncode == code
