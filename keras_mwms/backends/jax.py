@@ -1,0 +1,504 @@
+"""The JAX backend: `jax.distributed` + a `keras.distribution.DataParallel` over every global device.
+
+Start-up (after keras_mwms' rendezvous, before any JAX computation):
+
+1. choose the collective engine: AUTO → NCCL on GPU, gloo on CPU; RING → gloo; NCCL on a CPU
+   machine → a warning and gloo;
+2. `jax.distributed.initialize` on the chief's `TF_CONFIG` address (the rendezvous has just
+   released that port), with bounded initialization, heartbeat and shutdown timeouts;
+3. set a `keras.distribution.DataParallel` over `jax.devices()` — all devices of all workers,
+   so `jax_num_cpu_devices=2` on 2 workers gives 4 replicas. Keras' jitted train step then runs
+   SPMD over the global batch: XLA inserts the gradient all-reduce, metrics and
+   BatchNormalization statistics are computed over the global batch, exactly as one process.
+
+What Keras 3.15.1 lacks on this path is patched in `keras_mwms.backends.jax_patches`:
+initial values broadcast from the chief (workers may seed differently), numpy / tf.data /
+PyDataset input cut by keras_mwms into global batches (`jax_data`), `predict` gathering the
+full ordered output, the chief-only progress bar, and a clear `WorkerLostError` naming the
+lost worker when a peer dies, followed by a bounded exit instead of JAX's shutdown hang.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib.util
+import json
+import os
+import pickle
+import socket
+import sys
+import threading
+import time
+import warnings
+from typing import Any, Callable
+
+import numpy as np
+
+from keras_mwms.backends.base import Backend
+from keras_mwms.communication import CommunicationImplementation
+
+DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = 120.0
+HEARTBEAT_TIMEOUT_SECONDS = 20
+SHUTDOWN_TIMEOUT_SECONDS = 20
+LOST_WORKER_EXIT_CODE = 3
+EXIT_WATCHDOG_SECONDS = 10.0
+
+
+class WorkerLostError(RuntimeError):
+    """A peer worker died or became unreachable, so this synchronous job cannot continue.
+
+    The message names the lost worker(s). The process exits non-zero soon after this error is
+    reported (JAX cannot leave a broken cluster cleanly); restart the gang, e.g. with
+    `python -m keras_mwms.launch --max-restarts N`, and resume from `BackupAndRestore`.
+
+    Example:
+
+    >>> issubclass(WorkerLostError, RuntimeError)
+    True
+    """
+
+
+def gpu_possible() -> bool:
+    """True if this JAX install could see a GPU, decided without initialising any JAX backend.
+
+    Example:
+
+    >>> isinstance(gpu_possible(), bool)
+    True
+    """
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms and "cuda" not in platforms and "gpu" not in platforms:
+        return False
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return any(importlib.util.find_spec(name) is not None
+               for name in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin"))
+
+
+def resolve_engine(implementation: CommunicationImplementation, has_gpu: bool) -> str:
+    """The JAX collective engine for a requested implementation.
+
+    Example:
+
+    >>> resolve_engine(CommunicationImplementation.AUTO, has_gpu=False)
+    'gloo'
+    >>> resolve_engine(CommunicationImplementation.AUTO, has_gpu=True)
+    'nccl'
+    """
+    if implementation == CommunicationImplementation.NCCL:
+        if has_gpu:
+            return "nccl"
+        warnings.warn("CommunicationImplementation.NCCL was requested but this worker has no GPU; "
+                      "keras_mwms uses gloo for the JAX CPU collectives instead.", stacklevel=3)
+        return "gloo"
+    if implementation == CommunicationImplementation.RING:
+        if has_gpu:
+            warnings.warn("CommunicationImplementation.RING: JAX runs GPU collectives with NCCL; "
+                          "gloo is used for CPU collectives only.", stacklevel=3)
+        return "gloo"
+    return "nccl" if has_gpu else "gloo"
+
+
+class PerReplica:
+    """This worker's per-replica values (what `strategy.run` returns and `strategy.reduce` takes).
+
+    Example:
+
+    >>> PerReplica((1, 2)).values
+    (1, 2)
+    """
+
+    def __init__(self, values: tuple):
+        self.values = tuple(values)
+
+    def __repr__(self) -> str:
+        return f"PerReplica({self.values!r})"
+
+
+class JaxBackend(Backend):
+    """keras_mwms on `KERAS_BACKEND=jax` (see the module docstring for the design).
+
+    Created by `keras_mwms.MultiWorkerMirroredStrategy`; users do not build it themselves.
+
+    Example:
+
+    ```python
+    strategy = keras_mwms.MultiWorkerMirroredStrategy()   # KERAS_BACKEND=jax
+    strategy.backend.broadcast_object({"run_id": 7})        # the chief's value everywhere
+    ```
+    """
+
+    name = "jax"
+
+    def __init__(self, resolver, options):
+        super().__init__(resolver, options)
+        self._engine = resolve_engine(options.implementation, gpu_possible())
+        self._joined = False
+        self._distribution = None
+        self._mesh = None
+        self._collective_counter = 0
+        self._peers: dict[int, dict] = {}
+        self._lost: str | None = None
+
+    # -- identity -------------------------------------------------------------------------
+    @staticmethod
+    def version() -> str:
+        import jax
+
+        return jax.__version__
+
+    def engine_description(self) -> str:
+        return self._engine
+
+    @property
+    def collective_timeout_seconds(self) -> float:
+        return self.options.timeout_seconds or DEFAULT_COLLECTIVE_TIMEOUT_SECONDS
+
+    # -- life cycle -----------------------------------------------------------------------
+    def join(self) -> None:
+        import jax
+        from jax._src import xla_bridge
+
+        if self.num_workers > 1:
+            if xla_bridge.backends_are_initialized():
+                raise RuntimeError(
+                    "JAX already ran a computation in this process (for example jax.devices(), "
+                    "keras.utils.set_random_seed(), or creating a Keras layer or variable) before "
+                    "keras_mwms.MultiWorkerMirroredStrategy() was created, so jax.distributed can no "
+                    "longer join the cluster. Create the strategy first, right after the imports, "
+                    "and build models, seeds and data afterwards."
+                )
+            if self._engine == "gloo":
+                jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            jax.distributed.initialize(
+                coordinator_address=self.resolver.worker_addresses[0],
+                num_processes=self.num_workers,
+                process_id=self.worker_index,
+                initialization_timeout=int(max(10, self.collective_timeout_seconds)),
+                heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_SECONDS,
+                shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_SECONDS,
+            )
+            # Registered after jax.distributed's own atexit hook, so it runs first (LIFO) and can
+            # leave without JAX's shutdown barrier once a peer is known to be gone.
+            atexit.register(self._exit_now_if_lost)
+            self._publish_identity()
+        import keras
+
+        from keras_mwms.backends import jax_patches
+
+        all_devices = jax.devices()
+        if len(all_devices) > 1:
+            self._distribution = keras.distribution.DataParallel(
+                devices=all_devices, auto_shard_dataset=False)
+            keras.distribution.set_distribution(self._distribution)
+            self._mesh = self._distribution.device_mesh.backend_mesh
+        jax_patches.install(self)
+        self._joined = True
+
+    def leave(self) -> None:
+        import jax
+
+        from keras_mwms.backends import jax_patches
+
+        if not self._joined:
+            return
+        self._joined = False
+        jax_patches.uninstall(self)
+        if self._distribution is not None:
+            import keras
+
+            keras.distribution.set_distribution(None)
+        if self.num_workers > 1 and self._lost is None:
+            jax.distributed.shutdown()
+
+    # -- replicas -------------------------------------------------------------------------
+    @property
+    def num_replicas_in_sync(self) -> int:
+        import jax
+
+        return jax.device_count() if self._joined else self.num_workers
+
+    @property
+    def replicas_per_worker(self) -> int:
+        import jax
+
+        return jax.local_device_count() if self._joined else 1
+
+    @property
+    def mesh(self):
+        """The `jax.sharding.Mesh` over all global devices (None with a single device)."""
+        return self._mesh
+
+    @property
+    def distribution(self):
+        """The `keras.distribution.DataParallel` in use (None with a single device)."""
+        return self._distribution
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        if self._distribution is None:
+            return contextlib.nullcontext()
+        return self._distribution.scope()
+
+    # -- tf.distribute-style surface ------------------------------------------------------
+    def run(self, fn: Callable, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        replicas = self.replicas_per_worker
+
+        def component(value, index):
+            return value.values[index] if isinstance(value, PerReplica) else value
+
+        results = []
+        for index in range(replicas):
+            call_args = tuple(component(arg, index) for arg in args)
+            call_kwargs = {key: component(value, index) for key, value in kwargs.items()}
+            results.append(fn(*call_args, **call_kwargs))
+        return results[0] if replicas == 1 else PerReplica(tuple(results))
+
+    def experimental_local_results(self, value: Any) -> tuple:
+        return value.values if isinstance(value, PerReplica) else (value,)
+
+    def reduce(self, reduce_op: str, value: Any, axis: int | None) -> Any:
+        import jax
+
+        components = [np.asarray(jax.device_get(part)) for part in self.experimental_local_results(value)]
+        if isinstance(value, PerReplica) or self.replicas_per_worker == 1:
+            local_count = len(components) if axis is None else sum(part.shape[axis] for part in components)
+        else:
+            local_count = 1
+        summed = [part.sum(axis=axis) if axis is not None else part for part in components]
+        local_sum = np.sum(np.stack(summed), axis=0)
+        total = self.all_reduce_sum(local_sum)
+        if reduce_op == "MEAN":
+            count = self.all_reduce_sum(np.asarray(local_count, dtype=np.float64))
+            return (total / count).astype(local_sum.dtype)
+        return total
+
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+        from keras_mwms.backends.jax_data import DistributedDataset, split_local_replicas
+        from keras_mwms.data import replica_slices
+
+        workers, index, replicas = self.num_workers, self.worker_index, self.replicas_per_worker
+
+        def local_part(batch):
+            from keras.src import tree
+
+            leaves = [leaf for leaf in tree.flatten(batch) if leaf is not None]
+            rows = int(np.shape(leaves[0])[0])
+            slices = replica_slices(rows, workers * replicas) if rows else [(0, 0)] * (workers * replicas)
+            first, last = slices[index * replicas][0], slices[(index + 1) * replicas - 1][1]
+            return tree.map_structure(
+                lambda leaf: None if leaf is None else np.asarray(leaf)[first:last], batch, none_is_leaf=True)
+
+        def batches():
+            iterator = dataset.as_numpy_iterator() if hasattr(dataset, "as_numpy_iterator") else dataset
+            for batch in iterator:
+                parts = split_local_replicas(local_part(batch), replicas)
+                yield parts[0] if replicas == 1 else PerReplica(tuple(parts))
+
+        return DistributedDataset(batches, self._concatenate_replicas)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable, options: Any = None) -> Any:
+        from keras_mwms.backends.jax_data import DistributedDataset
+        from keras_mwms.data import InputContext
+
+        replicas = self.replicas_per_worker
+        context = InputContext(self.num_workers, self.worker_index, self.num_replicas_in_sync)
+        dataset = dataset_fn(context)
+
+        def batches():
+            iterator = dataset.as_numpy_iterator() if hasattr(dataset, "as_numpy_iterator") else dataset
+            group = []
+            for batch in iterator:
+                group.append(batch)
+                if len(group) == replicas:
+                    yield group[0] if replicas == 1 else PerReplica(tuple(group))
+                    group = []
+
+        return DistributedDataset(batches, self._concatenate_replicas)
+
+    @staticmethod
+    def _concatenate_replicas(value: Any) -> Any:
+        if not isinstance(value, PerReplica):
+            return value
+        from keras.src import tree
+
+        return tree.map_structure(lambda *parts: np.concatenate([np.asarray(p) for p in parts]),
+                                  *value.values)
+
+    # -- primitives for callbacks ---------------------------------------------------------
+    def _next_key(self, kind: str) -> str:
+        self._collective_counter += 1
+        return f"keras_mwms/{kind}/{self._collective_counter}"
+
+    @property
+    def _client(self):
+        from jax._src import distributed
+
+        return distributed.global_state.client
+
+    def barrier(self, name: str = "barrier") -> None:
+        """Waits for every worker, bounded by the collective timeout (`WorkerLostError` after it)."""
+        if self.num_workers == 1:
+            return
+        key = self._next_key(f"barrier/{name}")
+        timeout_ms = int(self.collective_timeout_seconds * 1000)
+        try:
+            self._client.wait_at_barrier(key, timeout_ms)
+        except Exception as error:  # noqa: BLE001 - jaxlib raises its own runtime error types
+            self.raise_if_worker_lost(error, f"barrier {name!r}")
+            raise
+
+    def broadcast_object(self, value: Any, root: int = 0) -> Any:
+        """Worker `root`'s picklable `value` on every worker (through the coordination service)."""
+        if self.num_workers == 1:
+            return value
+        key = self._next_key("broadcast")
+        if self.worker_index == root:
+            self._client.key_value_set_bytes(key, pickle.dumps(value))
+            return value
+        timeout_ms = int(self.collective_timeout_seconds * 1000)
+        try:
+            data = self._client.blocking_key_value_get_bytes(key, timeout_ms)
+        except Exception as error:  # noqa: BLE001
+            self.raise_if_worker_lost(error, "broadcast_object")
+            raise
+        return pickle.loads(data)
+
+    def all_reduce_sum(self, value: np.ndarray) -> np.ndarray:
+        """Sum of a host array over workers, in worker order, so every worker gets identical bits."""
+        value = np.asarray(value)
+        if self.num_workers == 1:
+            return value
+        from jax.experimental import multihost_utils
+
+        try:
+            gathered = np.asarray(multihost_utils.process_allgather(value, tiled=False))
+        except Exception as error:  # noqa: BLE001
+            self.raise_if_worker_lost(error, "all_reduce_sum")
+            raise
+        total = gathered[0].copy()
+        for part in gathered[1:]:
+            total = total + part
+        return total
+
+    def broadcast_array(self, value: np.ndarray) -> np.ndarray:
+        """The chief's numpy array on every worker (one XLA collective)."""
+        if self.num_workers == 1:
+            return np.asarray(value)
+        from jax.experimental import multihost_utils
+
+        try:
+            return np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(value)))
+        except Exception as error:  # noqa: BLE001
+            self.raise_if_worker_lost(error, "initial-value broadcast")
+            raise
+
+    def agreed_seed(self) -> int:
+        """A seed drawn by the chief (from numpy's global RNG) and shared with every worker."""
+        seed = int(np.random.randint(0, 2**31 - 1)) if self.is_chief else 0
+        return int(self.broadcast_object(seed))
+
+    # -- faults ---------------------------------------------------------------------------
+    def _publish_identity(self) -> None:
+        """Shares (host, pid) of every worker, so a lost local peer can be named at once."""
+        client = self._client
+        me = {"host": socket.gethostname(), "pid": os.getpid()}
+        client.key_value_set(f"keras_mwms/identity/{self.worker_index}", json.dumps(me))
+        timeout_ms = int(self.collective_timeout_seconds * 1000)
+        for index in range(self.num_workers):
+            text = client.blocking_key_value_get(f"keras_mwms/identity/{index}", timeout_ms)
+            self._peers[index] = json.loads(text)
+
+    def _worker_label(self, index: int) -> str:
+        job, task = self.resolver.group_tasks[index]
+        return f"worker {index} ({job}:{task} at {self.resolver.worker_addresses[index]})"
+
+    def _dead_peers(self) -> list[int]:
+        here = socket.gethostname()
+        dead = []
+        remote = []
+        for index, peer in self._peers.items():
+            if index == self.worker_index:
+                continue
+            if peer.get("host") == here:
+                if not _process_alive(int(peer["pid"])):
+                    dead.append(index)
+            else:
+                remote.append(index)
+        if remote:
+            dead += [index for index in remote if index not in self._live_nodes(remote)]
+        return sorted(dead)
+
+    def _live_nodes(self, indices: list[int]) -> set[int]:
+        result: dict = {}
+
+        def ask():
+            try:
+                result.update(self._client.get_live_nodes(indices))
+            except Exception:  # noqa: BLE001 - an unreachable coordinator means the chief is gone
+                result["error"] = True
+
+        thread = threading.Thread(target=ask, daemon=True)
+        thread.start()
+        thread.join(5.0)
+        if "error" in result or thread.is_alive():
+            return set(indices) - {0}
+        return {int(index) for index in result}
+
+    def raise_if_worker_lost(self, error: BaseException, where: str) -> None:
+        """Turns a collective failure caused by a dead peer into `WorkerLostError` (and a bounded exit)."""
+        if self.num_workers == 1 or isinstance(error, WorkerLostError):
+            return
+        text = str(error)
+        suspicious = any(word in text for word in (
+            "Gloo", "gloo", "Connection reset", "connection", "Connection closed", "UNAVAILABLE",
+            "heartbeat", "Socket", "socket", "DEADLINE_EXCEEDED", "Broken pipe", "peer"))
+        if not suspicious:
+            return
+        dead: list[int] = []
+        deadline = time.monotonic() + 5.0
+        while not dead and time.monotonic() < deadline:
+            dead = self._dead_peers()
+            if not dead:
+                time.sleep(0.2)
+        if dead:
+            who = ", ".join(self._worker_label(index) for index in dead)
+            message = (f"keras_mwms: lost {who} during {where}; this synchronous job cannot continue "
+                       f"without it. ")
+        else:
+            message = (f"keras_mwms: a collective failed during {where} on "
+                       f"{self._worker_label(self.worker_index)}, most likely because a peer worker "
+                       "died or the network failed. ")
+        first_line = text.strip().splitlines()[0][:300] if text.strip() else type(error).__name__
+        message += ("Restart the whole gang (e.g. `python -m keras_mwms.launch --max-restarts N`) and "
+                    f"resume with keras_mwms.callbacks.BackupAndRestore. Underlying error: {first_line}")
+        self._lost = message
+        print(message, file=sys.stderr, flush=True)
+        # JAX cannot leave a broken cluster cleanly (its shutdown barrier waits for the dead peer),
+        # so the process ends soon after the error is reported, whatever the caller does.
+        watchdog = threading.Timer(EXIT_WATCHDOG_SECONDS, os._exit, (LOST_WORKER_EXIT_CODE,))
+        watchdog.daemon = True
+        watchdog.start()
+        raise WorkerLostError(message) from error
+
+    def _exit_now_if_lost(self) -> None:
+        if self._lost is not None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(LOST_WORKER_EXIT_CODE)
+
+
+def _process_alive(pid: int) -> bool:
+    """True if `pid` runs on this host and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True

@@ -1,0 +1,315 @@
+"""Global batches → JAX global arrays, for `model.fit` / `evaluate` / `predict` on several workers.
+
+Keras' multi-process JAX path feeds each process's rows through
+`jax.make_array_from_process_local_data`, which needs the *same* local shape on every process:
+numpy input is refused, uneven shards hang and a partial last batch crashes. keras_mwms instead
+reads the **global** batch on every worker (arrays, `tf.data`, `PyDataset`, generators) and
+turns it into one global `jax.Array` itself:
+
+* a global batch whose rows divide evenly over all replicas is **sharded**: worker w hands
+  JAX only its contiguous block of rows (`keras_mwms.data.replica_slices` order), and each of its
+  local devices gets its sub-block;
+* any other batch (a partial last batch, or a global batch that does not divide by the replica
+  count) is **replicated**: every worker feeds all of its rows and each device computes the
+  whole batch. The result is exactly the single-process step (same rows, same loss
+  denominator, same BatchNormalization statistics), with no padding and no hang.
+
+`shuffle=True` permutes the global order with a seed agreed by all workers, so every worker
+cuts the same global batches.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+
+class GlobalBatchSource:
+    """Iterates one epoch of global batches as numpy structures `(x, y, sample_weight)`."""
+
+    num_batches: int | None = None
+    batch_size: int | None = None
+    partial_batch_size: int | None = None
+
+    def epoch(self) -> Iterator[Any]:
+        raise NotImplementedError
+
+    def on_epoch_begin(self) -> None:
+        pass
+
+    def on_epoch_end(self) -> None:
+        pass
+
+
+class ArraySource(GlobalBatchSource):
+    """Global batches of in-memory arrays, shuffled identically on every worker.
+
+    Example:
+
+    >>> from keras.src.trainers.data_adapters.array_slicing import convert_to_sliceable
+    >>> arrays = convert_to_sliceable((np.arange(5.0), None, None), target_backend="jax")
+    >>> source = ArraySource(arrays, batch_size=2, shuffle=False, seed=0)
+    >>> [batch[0].tolist() for batch in source.epoch()]
+    [[0.0, 1.0], [2.0, 3.0], [4.0]]
+    """
+
+    def __init__(self, arrays: tuple, batch_size: int, shuffle: bool | str, seed: int,
+                 class_weight: dict | None = None):
+        """`arrays`: `(x, y, sample_weight)` of Keras `Sliceable`s (`array_slicing.convert_to_sliceable`)."""
+        from keras.src import tree
+
+        self._arrays = arrays
+        self._tree = tree
+        leaves = [leaf for leaf in tree.flatten(arrays) if leaf is not None]
+        self._rows = int(leaves[0].array.shape[0])
+        self._shuffle = shuffle
+        self._rng = np.random.default_rng(seed)
+        self._class_weight = class_weight
+        self.batch_size = batch_size
+        self.num_batches = max(1, math.ceil(self._rows / batch_size))
+        remainder = self._rows % batch_size
+        self.partial_batch_size = remainder or None
+
+    def epoch(self) -> Iterator[Any]:
+        from keras.src.trainers.data_adapters import data_adapter_utils
+
+        order = np.arange(self._rows)
+        if self._shuffle == "batch":
+            # Shuffle whole batches, keep rows inside a batch together (Keras' "batch" mode).
+            starts = self._rng.permutation(self.num_batches) * self.batch_size
+            order = np.concatenate([order[s:s + self.batch_size] for s in starts])
+        elif self._shuffle:
+            order = self._rng.permutation(self._rows)
+        for start in range(0, self._rows, self.batch_size):
+            index = order[start:start + self.batch_size]
+            batch = self._tree.map_structure(
+                lambda leaf: None if leaf is None else type(leaf).convert_to_numpy(leaf[index]),
+                self._arrays, none_is_leaf=True)
+            if self._class_weight is not None:
+                x, y, sample_weight = batch
+                if sample_weight is None:
+                    sample_weight = data_adapter_utils.class_weight_to_sample_weights(
+                        y, self._class_weight)
+                batch = (x, y, sample_weight)
+            yield batch
+
+
+class AdapterSource(GlobalBatchSource):
+    """Global batches from a Keras data adapter (tf.data, generator, torch DataLoader, grain)."""
+
+    def __init__(self, adapter: Any):
+        self._adapter = adapter
+        self.num_batches = adapter.num_batches
+        self.batch_size = adapter.batch_size
+        self.partial_batch_size = adapter.partial_batch_size if adapter.has_partial_batch else None
+
+    def epoch(self) -> Iterator[Any]:
+        return self._adapter.get_numpy_iterator()
+
+    def on_epoch_begin(self) -> None:
+        self._adapter.on_epoch_begin()
+
+    def on_epoch_end(self) -> None:
+        self._adapter.on_epoch_end()
+
+
+class PyDatasetSource(GlobalBatchSource):
+    """Global batches from a `keras.utils.PyDataset`; `shuffle` permutes batch indices identically."""
+
+    def __init__(self, adapter: Any, shuffle: bool, seed: int):
+        self._adapter = adapter
+        self._dataset = adapter.py_dataset
+        self._shuffle = bool(shuffle)
+        self._rng = np.random.default_rng(seed)
+        self.num_batches = self._dataset.num_batches
+
+    def epoch(self) -> Iterator[Any]:
+        if self.num_batches is None:
+            index = 0
+            while True:
+                try:
+                    batch = self._dataset[index]
+                except (IndexError, StopIteration):
+                    return
+                yield self._adapter._standardize_batch(batch)
+                index += 1
+        order = np.arange(self.num_batches)
+        if self._shuffle:
+            order = self._rng.permutation(self.num_batches)
+        for index in order:
+            yield self._adapter._standardize_batch(self._dataset[int(index)])
+
+    def on_epoch_end(self) -> None:
+        self._dataset.on_epoch_end()
+
+
+class GlobalArrayPlacer:
+    """Turns one global numpy batch into global `jax.Array`s, sharded or replicated (see module doc).
+
+    Args:
+        mesh: the `jax.sharding.Mesh` of all global devices, ordered worker by worker.
+        batch_axis: the mesh axis name the batch is split over.
+        num_workers, worker_index: this worker's place.
+    """
+
+    def __init__(self, mesh: Any, batch_axis: str, num_workers: int, worker_index: int):
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        self._sharded = NamedSharding(mesh, PartitionSpec(batch_axis))
+        self._replicated = NamedSharding(mesh, PartitionSpec())
+        self._num_replicas = int(mesh.devices.size)
+        self._num_workers = num_workers
+        self._worker_index = worker_index
+
+    def is_sharded(self, rows: int) -> bool:
+        return rows > 0 and rows % self._num_replicas == 0
+
+    def place(self, batch: Any) -> Any:
+        import jax
+        from keras.src import tree
+
+        leaves = [leaf for leaf in tree.flatten(batch) if leaf is not None]
+        rows = int(np.shape(leaves[0])[0]) if leaves else 0
+        sharded = self.is_sharded(rows)
+        block = rows // self._num_workers
+        first = self._worker_index * block
+
+        def place_leaf(leaf):
+            if leaf is None:
+                return None
+            leaf = np.asarray(leaf)
+            if sharded:
+                return jax.make_array_from_process_local_data(
+                    self._sharded, leaf[first:first + block], leaf.shape)
+            return jax.make_array_from_process_local_data(self._replicated, leaf, leaf.shape)
+
+        return tree.map_structure(place_leaf, batch, none_is_leaf=True)
+
+    def place_local_part(self, batch: Any) -> Any:
+        """Global arrays from this worker's own part of the step (every worker: equal rows)."""
+        import jax
+        from keras.src import tree
+
+        def place_leaf(leaf):
+            if leaf is None:
+                return None
+            leaf = np.asarray(leaf)
+            shape = (leaf.shape[0] * self._num_workers,) + leaf.shape[1:]
+            return jax.make_array_from_process_local_data(self._sharded, leaf, shape)
+
+        return tree.map_structure(place_leaf, batch, none_is_leaf=True)
+
+
+class LocalPartSource(GlobalBatchSource):
+    """This worker's parts of every step from a `DistributedDataset` (already sharded)."""
+
+    local_parts = True
+
+    def __init__(self, dataset: "DistributedDataset"):
+        self._dataset = dataset
+
+    def epoch(self) -> Iterator[Any]:
+        from keras.src.trainers.data_adapters import data_adapter_utils
+
+        for batch in self._dataset.local_batches():
+            if not isinstance(batch, tuple):
+                batch = (batch,)
+            yield data_adapter_utils.unpack_x_y_sample_weight(batch)
+
+
+def make_global_batch_adapter(source: GlobalBatchSource, placer: GlobalArrayPlacer):
+    """A Keras `DataAdapter` yielding `placer`-placed global batches of `source`."""
+    from keras.src.trainers.data_adapters.data_adapter import DataAdapter
+
+    class GlobalBatchAdapter(DataAdapter):
+        """Feeds Keras' JAX trainer global arrays built by keras_mwms (one global batch a step)."""
+
+        def __init__(self):
+            self.source = source
+
+        def get_jax_iterator(self):
+            place = placer.place_local_part if getattr(source, "local_parts", False) else placer.place
+            for batch in source.epoch():
+                yield place(batch)
+
+        def get_numpy_iterator(self):
+            return source.epoch()
+
+        @property
+        def num_batches(self):
+            return source.num_batches
+
+        @property
+        def batch_size(self):
+            return source.batch_size
+
+        @property
+        def has_partial_batch(self):
+            return source.partial_batch_size is not None
+
+        @property
+        def partial_batch_size(self):
+            return source.partial_batch_size
+
+        def on_epoch_begin(self):
+            source.on_epoch_begin()
+
+        def on_epoch_end(self):
+            source.on_epoch_end()
+
+    return GlobalBatchAdapter()
+
+
+def make_source(x: Any, y: Any, sample_weight: Any, batch_size: int | None, steps: int | None,
+                shuffle: bool | str, class_weight: dict | None, seed: int) -> GlobalBatchSource:
+    """The right `GlobalBatchSource` for whatever the user passed to fit/evaluate/predict."""
+    from keras.src.trainers.data_adapters import array_data_adapter, get_data_adapter
+    from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
+    from keras.utils import PyDataset
+
+    if array_data_adapter.can_convert_arrays((x, y, sample_weight)):
+        from keras.src.trainers.data_adapters import array_slicing
+
+        arrays = array_slicing.convert_to_sliceable((x, y, sample_weight), target_backend="jax")
+        return ArraySource(arrays, batch_size or 32, shuffle, seed, class_weight)
+    if isinstance(x, PyDataset):
+        adapter = get_data_adapter(x, y, sample_weight, batch_size, steps, False, class_weight)
+        assert isinstance(adapter, PyDatasetAdapter)
+        return PyDatasetSource(adapter, shuffle, seed)
+    adapter = get_data_adapter(x, y, sample_weight, batch_size, steps, False, class_weight)
+    return AdapterSource(adapter)
+
+
+def split_local_replicas(batch: Any, replicas_per_worker: int) -> list[Any]:
+    """Splits this worker's batch into contiguous per-replica parts (first parts one row longer)."""
+    from keras.src import tree
+
+    from keras_mwms.data import replica_slices
+
+    leaves = [leaf for leaf in tree.flatten(batch) if leaf is not None]
+    rows = int(np.shape(leaves[0])[0])
+    slices = replica_slices(rows, replicas_per_worker) if rows else [(0, 0)] * replicas_per_worker
+    return [tree.map_structure(lambda leaf, s=s: None if leaf is None else np.asarray(leaf)[s[0]:s[1]],
+                               batch, none_is_leaf=True) for s in slices]
+
+
+class DistributedDataset:
+    """This worker's view of a distributed dataset: yields a `PerReplica` of local batches per step.
+
+    Built by `strategy.experimental_distribute_dataset` (global batches, split here) or
+    `strategy.distribute_datasets_from_function` (per-replica batches, grouped by local replica).
+    """
+
+    def __init__(self, make_iterator: Callable[[], Iterator[Any]], local_batch_of: Callable[[Any], Any]):
+        self._make_iterator = make_iterator
+        self._local_batch_of = local_batch_of
+
+    def __iter__(self):
+        return iter(self._make_iterator())
+
+    def local_batches(self) -> Iterator[Any]:
+        """This worker's batch of every step, local replicas concatenated (what `fit` consumes)."""
+        for value in self._make_iterator():
+            yield self._local_batch_of(value)
