@@ -1,0 +1,410 @@
+"""Keras' torch trainer, made multi-worker: the private patches, each named and guarded.
+
+Keras 3.15.1 has no distribution hooks on torch (keras-team/keras#18870 asks for them; the
+DTensor DataParallel on Keras master is unreleased), so `install()` patches `TorchTrainer`,
+`BatchNormalization` and the optimizer instance of models created in `strategy.scope()`.
+Models created outside the scope are untouched (every patch checks the model's tag).
+
+What a tagged model gets (DESIGN.md §3):
+
+* `fit` / `evaluate` inputs are sharded per worker from the *global* batches
+  (`torch_data.shard_fit_inputs`); `predict` runs in full on every worker (full, ordered).
+* At the start of every `fit` (and before a first `evaluate`/`predict`) all model and optimizer
+  variables are broadcast from the chief, so workers seeded differently start identical.
+* Each training step scales the loss by the worker's row count and, in `optimizer.apply`,
+  all-reduces the gradients, the row count and unsynchronized BatchNormalization moving
+  statistics in one bucketed flat all-reduce, then divides by the global row count: the exact
+  global-batch gradient even for uneven or empty shards, seen averaged by clipping and loss
+  scaling. The optimizer keeps its fast torch class (its class is swapped for a subclass).
+* A worker whose shard of a step is empty runs the step on one zero-weight dummy row so that
+  every worker issues the same collectives; its metrics are left untouched.
+* Metric state is reduced across workers (sum, or min/max) when results are computed at the
+  end of every epoch and of `evaluate`, so History and callbacks agree everywhere.
+* `BatchNormalization(synchronized=True)` computes global batch statistics.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+
+from keras_mwms.backends.base import require_tested_keras
+
+if TYPE_CHECKING:
+    from keras_mwms.backends.torch import TorchBackend
+
+_TAG = "_keras_mwms_backend"
+_installed_for: list = []
+
+
+def install(backend: TorchBackend) -> None:
+    """Installs every patch once per process; later strategies replace the active backend."""
+    if _installed_for:
+        _installed_for[0] = backend
+        return
+    _installed_for.append(backend)
+    require_tested_keras("torch-trainer-multiworker")
+    _patch_trainer()
+    require_tested_keras("torch-synchronized-batchnorm")
+    _patch_batch_normalization()
+
+
+def active_backend() -> TorchBackend | None:
+    return _installed_for[0] if _installed_for else None
+
+
+def backend_of(model) -> TorchBackend | None:
+    return getattr(model, _TAG, None)
+
+
+# -- TorchTrainer -------------------------------------------------------------------------
+def _patch_trainer() -> None:
+    """Patch `torch-trainer-multiworker`: Keras' TorchTrainer has no distribution hooks."""
+    from keras.src.backend.torch.trainer import TorchTrainer
+
+    original_init = TorchTrainer.__init__
+    original_fit = TorchTrainer.fit
+    original_evaluate = TorchTrainer.evaluate
+    original_make_train = TorchTrainer.make_train_function
+    original_make_test = TorchTrainer.make_test_function
+    original_make_predict = TorchTrainer.make_predict_function
+    original_metrics_result = TorchTrainer._get_metrics_result_or_logs
+
+    @functools.wraps(original_init)
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        backend = active_backend()
+        if backend is not None and backend.in_scope:
+            object.__setattr__(self, _TAG, backend)
+
+    @functools.wraps(original_fit)
+    def fit(self, *args, **kwargs):
+        backend = backend_of(self)
+        if backend is None:
+            return original_fit(self, *args, **kwargs)
+        from keras_mwms.backends import torch_data
+
+        return original_fit(self, **torch_data.shard_fit_inputs(backend, args, kwargs))
+
+    @functools.wraps(original_evaluate)
+    def evaluate(self, *args, **kwargs):
+        backend = backend_of(self)
+        if backend is None or kwargs.get("_use_cached_eval_dataset"):
+            return original_evaluate(self, *args, **kwargs)
+        from keras_mwms.backends import torch_data
+
+        return original_evaluate(self, **torch_data.shard_evaluate_inputs(backend, args, kwargs))
+
+    @functools.wraps(original_make_train)
+    def make_train_function(self, force=False):
+        backend = backend_of(self)
+        if backend is not None:
+            _distribute_optimizer(self, backend)
+            _broadcast_state(self, backend)
+        result = original_make_train(self, force)
+        if backend is not None and not getattr(self.train_function, "_keras_mwms", False):
+            self.train_function = _distributed_train_function(self, backend, self.train_function)
+        return result
+
+    @functools.wraps(original_make_test)
+    def make_test_function(self, force=False):
+        backend = backend_of(self)
+        if backend is not None and not getattr(self, "_keras_mwms_synced", False):
+            _broadcast_state(self, backend)
+        result = original_make_test(self, force)
+        if backend is not None and not getattr(self.test_function, "_keras_mwms", False):
+            self.test_function = _distributed_test_function(self, self.test_function)
+        return result
+
+    @functools.wraps(original_make_predict)
+    def make_predict_function(self, force=False):
+        backend = backend_of(self)
+        if backend is not None and not getattr(self, "_keras_mwms_synced", False):
+            _broadcast_state(self, backend)
+        return original_make_predict(self, force)
+
+    @functools.wraps(original_metrics_result)
+    def _get_metrics_result_or_logs(self, logs):
+        backend = backend_of(self)
+        if backend is None or not backend.distributed:
+            return original_metrics_result(self, logs)
+        with global_metric_state(self, backend):
+            return original_metrics_result(self, logs)
+
+    TorchTrainer.__init__ = __init__
+    TorchTrainer.fit = fit
+    TorchTrainer.evaluate = evaluate
+    TorchTrainer.make_train_function = make_train_function
+    TorchTrainer.make_test_function = make_test_function
+    TorchTrainer.make_predict_function = make_predict_function
+    TorchTrainer._get_metrics_result_or_logs = _get_metrics_result_or_logs
+
+
+def _broadcast_state(model, backend: TorchBackend) -> None:
+    variables = list(model.variables)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and getattr(optimizer, "built", False):
+        variables += list(optimizer.variables)
+    backend.broadcast_tensors([variable.value.data for variable in variables],
+                              what="broadcast of the chief's variables")
+    object.__setattr__(model, "_keras_mwms_synced", True)
+
+
+def _first_dimension(batch) -> int:
+    from keras.src import tree
+
+    x = batch[0] if isinstance(batch, (tuple, list)) else batch
+    for leaf in tree.flatten(x):
+        if leaf is not None and hasattr(leaf, "shape") and len(leaf.shape):
+            return int(leaf.shape[0])
+    return 0
+
+
+def _dummy_row(batch):
+    """One all-zero row shaped like `batch`, with zero sample weight where there is one."""
+    from keras.src import tree
+
+    def zero_row(leaf):
+        if leaf is None or not hasattr(leaf, "shape"):
+            return leaf
+        tensor = torch.as_tensor(leaf)
+        return torch.zeros((1,) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+
+    return tree.map_structure(zero_row, batch)
+
+
+def _metric_snapshot(model) -> list[torch.Tensor]:
+    return [variable.value.data.clone() for variable in model.metrics_variables]
+
+
+def _metric_restore(model, snapshot) -> None:
+    with torch.no_grad():
+        for variable, saved in zip(model.metrics_variables, snapshot):
+            variable.value.data.copy_(saved)
+
+
+def _distributed_train_function(model, backend: TorchBackend, train_function):
+    def distributed_train_function(data):
+        batch = data[0]
+        rows = _first_dimension(batch)
+        backend.step_rows = rows
+        if rows:
+            return train_function(data)
+        # An empty shard (a short last global batch): run the step on a dummy row weighted 0 so
+        # this worker issues the same collectives as the others, then forget its metrics.
+        snapshot = _metric_snapshot(model)
+        try:
+            return train_function([_dummy_row(batch)])
+        finally:
+            _metric_restore(model, snapshot)
+
+    distributed_train_function._keras_mwms = True
+    return distributed_train_function
+
+
+def _distributed_test_function(model, test_function):
+    def distributed_test_function(data):
+        if _first_dimension(data[0]):
+            return test_function(data)
+        return model.get_metrics_result()
+
+    distributed_test_function._keras_mwms = True
+    return distributed_test_function
+
+
+# -- optimizer ----------------------------------------------------------------------------
+def _distribute_optimizer(model, backend: TorchBackend) -> None:
+    """Swaps the optimizer instance's class for a subclass that averages gradients first.
+
+    Subclassing `keras.optimizers.Adam` statically would lose `TorchOptimizer.__new__`'s swap
+    to the fast torch implementation (it maps exact classes only), so the subclass is made from
+    whatever class the instance already has.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or getattr(optimizer, "_keras_mwms_model", None) is not None:
+        return
+    base = type(optimizer)
+
+    def scale_loss(self, loss):
+        loss = base.scale_loss(self, loss)
+        if not backend.distributed:
+            return loss
+        backend.loss_weighted_by_rows = True
+        return loss * float(backend.step_rows)
+
+    def apply(self, grads, trainable_variables=None):
+        if backend.distributed:
+            grads = _average_gradients(backend, self._keras_mwms_model, list(grads))
+        return base.apply(self, grads, trainable_variables)
+
+    distributed = type(base.__name__, (base,), {
+        "scale_loss": scale_loss, "apply": apply, "__module__": base.__module__,
+        "__qualname__": base.__qualname__})
+    optimizer.__class__ = distributed
+    object.__setattr__(optimizer, "_keras_mwms_model", model)
+
+
+def _unsynchronized_batch_norm_statistics(model) -> list:
+    from keras.src.layers import BatchNormalization
+
+    statistics = []
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, BatchNormalization) and layer.trainable and not layer.synchronized:
+            statistics += [layer.moving_mean, layer.moving_variance]
+    return statistics
+
+
+@torch._dynamo.disable
+@torch.no_grad()
+def _average_gradients(backend: TorchBackend, model, grads: list) -> list:
+    """Global-batch gradients: Σ_w (rows_w · grad_w) / Σ_w rows_w, in one bucketed all-reduce.
+
+    The loss was already multiplied by this worker's rows (`scale_loss`); a custom
+    `train_step` that skips `scale_loss` gets the plain mean over workers instead.
+    Unsynchronized BatchNormalization moving statistics ride along, weighted by rows, so they
+    never drift.
+    """
+    has_rows = backend.step_rows > 0
+    rows = float(backend.step_rows)
+    weight = rows if backend.loss_weighted_by_rows else float(has_rows)
+    backend.loss_weighted_by_rows = False
+    present = [i for i, grad in enumerate(grads) if grad is not None]
+    statistics = _unsynchronized_batch_norm_statistics(model)
+    payload = []
+    for i in present:
+        payload.append(grads[i] if has_rows else torch.zeros_like(grads[i]))
+    for variable in statistics:
+        value = variable.value.data
+        payload.append(value * rows if has_rows else torch.zeros_like(value))
+    reference = grads[present[0]] if present else torch.zeros(())
+    payload.append(torch.tensor([weight, rows], dtype=reference.dtype, device=reference.device))
+    reduced = backend.all_reduce_flat(payload, what="gradient all-reduce")
+    total_weight, total_rows = reduced[-1][0], reduced[-1][1]
+    averaged = list(grads)
+    for slot, i in enumerate(present):
+        averaged[i] = reduced[slot].div_(total_weight)
+    for offset, variable in enumerate(statistics):
+        variable.value.data.copy_(reduced[len(present) + offset] / total_rows)
+    return averaged
+
+
+# -- metrics ------------------------------------------------------------------------------
+_MAX_NAMES = ("max", "maximum")
+_MIN_NAMES = ("min", "minimum")
+
+
+def metric_reduction(metric, variable) -> str:
+    """How a metric state variable combines across workers: "sum", "max", "min" or "first".
+
+    A metric may declare `keras_mwms_reductions = {"variable_name": "max"}`; otherwise
+    variables named max/min use max/min, `only_first_replica` ones come from the chief and
+    everything else (totals, counts, confusion matrices) is summed.
+    """
+    declared = getattr(metric, "keras_mwms_reductions", {}) or {}
+    name = variable.name.rsplit("/", 1)[-1]
+    if name in declared:
+        return declared[name]
+    if name.lower() in _MAX_NAMES:
+        return "max"
+    if name.lower() in _MIN_NAMES:
+        return "min"
+    if getattr(variable, "aggregation", "sum") == "only_first_replica":
+        return "first"
+    return "sum"
+
+
+class global_metric_state:
+    """Context: metric state variables hold the global (all-worker) state, then local again."""
+
+    def __init__(self, model, backend: TorchBackend):
+        self.model = model
+        self.backend = backend
+
+    def __enter__(self):
+        pairs = []
+        for metric in self.model.metrics:
+            for variable in metric.variables:
+                pairs.append((metric, variable))
+        self.saved = [variable.value.data.clone() for _, variable in pairs]
+        by_op: dict[str, list] = {}
+        for metric, variable in pairs:
+            by_op.setdefault(metric_reduction(metric, variable), []).append(variable)
+        for op, variables in by_op.items():
+            tensors = [variable.value.data for variable in variables]
+            if op == "first":
+                self.backend.broadcast_tensors(tensors, what="metric broadcast")
+                continue
+            reduced = self.backend.all_reduce_flat(tensors, op=op, what="metric all-reduce")
+            with torch.no_grad():
+                for tensor, value in zip(tensors, reduced):
+                    tensor.copy_(value)
+        self.pairs = pairs
+        return self
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for (_, variable), saved in zip(self.pairs, self.saved):
+                variable.value.data.copy_(saved)
+        return False
+
+
+# -- BatchNormalization -------------------------------------------------------------------
+def _patch_batch_normalization() -> None:
+    """Patch `torch-synchronized-batchnorm`: Keras refuses `synchronized=True` off TensorFlow.
+
+    Upstream: keras-team/keras#19118 (synchronized BatchNormalization is TF-only). Here the
+    moments become global sums all-reduced across workers, differentiably.
+    """
+    from keras.src.layers import BatchNormalization
+
+    original_init = BatchNormalization.__init__
+    original_moments = BatchNormalization._moments
+
+    @functools.wraps(original_init)
+    def __init__(self, *args, synchronized=False, **kwargs):
+        original_init(self, *args, synchronized=False, **kwargs)
+        self.synchronized = synchronized
+
+    @functools.wraps(original_moments)
+    def _moments(self, inputs, mask):
+        backend = active_backend()
+        if not self.synchronized or mask is not None or backend is None:
+            return original_moments(self, inputs, mask)
+        axes = tuple(i for i in range(len(inputs.shape)) if i != self.axis % len(inputs.shape))
+        return synchronized_moments(backend, inputs, axes)
+
+    BatchNormalization.__init__ = __init__
+    BatchNormalization._moments = _moments
+
+
+def synchronized_moments(backend: TorchBackend, inputs, axes):
+    """Mean and variance over `axes` of the global batch (all workers), kept as dims (keepdims)."""
+    x = torch.as_tensor(inputs)
+    compute_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    x = x.to(compute_dtype)
+    weight = 1.0 if backend.step_rows > 0 else 0.0
+    count = 1
+    for axis in axes:
+        count *= x.shape[axis]
+    local_sum = torch.sum(x, dim=axes, keepdim=True) * weight
+    local_square_sum = torch.sum(x * x, dim=axes, keepdim=True) * weight
+    packed = torch.cat([local_sum.reshape(-1), local_square_sum.reshape(-1),
+                        torch.tensor([count * weight], dtype=compute_dtype, device=x.device)])
+    total = _differentiable_all_reduce(backend, packed)
+    channels = local_sum.numel()
+    global_count = total[-1]
+    mean = (total[:channels] / global_count).reshape(local_sum.shape)
+    variance = (total[channels:2 * channels] / global_count).reshape(local_sum.shape) - mean * mean
+    return mean.to(inputs.dtype), variance.to(inputs.dtype)
+
+
+@torch._dynamo.disable
+def _differentiable_all_reduce(backend: TorchBackend, tensor):
+    if not backend.distributed:
+        return tensor
+    from torch.distributed.nn import functional as distributed_functional
+
+    with backend.guarded("synchronized BatchNormalization all-reduce"):
+        return distributed_functional.all_reduce(tensor)

@@ -1,0 +1,274 @@
+"""Multi-process acceptance tests of the PyTorch backend (`keras_mwms/backends/torch*.py`).
+
+Each scenario runs once (module-scoped fixtures) as a real gang of worker processes plus, for
+equivalence, the same script as a single process without TF_CONFIG; the assertions read the
+dumped weights and results. Nothing here imports torch or keras in the pytest process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from keras_mwms.cluster import make_tf_config
+from keras_mwms.launch import find_free_ports
+from tests.multiworker import REPO, python_worker, run_gang, worker_env
+
+sys.path.insert(0, str(REPO / "tests" / "workers"))
+import common  # noqa: E402
+
+pytestmark = [pytest.mark.torch]
+GANG_TIMEOUT = 420
+SGD_TOLERANCE = 1e-5
+ADAM_TOLERANCE = 1e-5
+
+
+def _reference(script: str, out: str, *args: str) -> None:
+    env = dict(os.environ, **worker_env("torch"))
+    env.pop("TF_CONFIG", None)
+    completed = subprocess.run(python_worker(script, out, *args), env=env, capture_output=True,
+                               text=True, timeout=GANG_TIMEOUT)
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+
+
+def _gang(script: str, workers: int, out: str, *args: str):
+    result = run_gang(python_worker(script, out, *args), workers, GANG_TIMEOUT,
+                      env=worker_env("torch"))
+    assert result.returncode == 0, result.output[-8000:]
+    return result
+
+
+class Scenario:
+    """One gang run and its single-process reference, read back from the dumps."""
+
+    def __init__(self, tmp_path_factory, name: str, workers: int, *args: str,
+                 reference: bool = True):
+        self.workers = workers
+        self.out = str(tmp_path_factory.mktemp(name))
+        _gang("torch_scenario.py", workers, self.out, *args)
+        self.reference_out = None
+        if reference:
+            self.reference_out = str(tmp_path_factory.mktemp(name + "_reference"))
+            reference_args = [a for a in args if a != "--seed-by-worker"]
+            _reference("torch_scenario.py", self.reference_out, *reference_args)
+
+    def weights(self, index: int):
+        return common.load_weights(self.out, index)
+
+    def result(self, index: int):
+        return common.load_result(self.out, index)
+
+    def reference_weights(self):
+        return common.load_weights(self.reference_out, 0)
+
+    def reference_result(self):
+        return common.load_result(self.reference_out, 0)
+
+    def predictions(self, index: int):
+        return np.load(os.path.join(self.out, f"predict{index}.npy"))
+
+
+@pytest.fixture(scope="module")
+def sgd_arrays(tmp_path_factory):
+    """2 workers seeded differently, arrays, no shuffle, SGD, 2 epochs."""
+    return Scenario(tmp_path_factory, "sgd_arrays", 2, "--data", "arrays", "--optimizer", "sgd",
+                    "--epochs", "2", "--seed-by-worker")
+
+
+@pytest.fixture(scope="module")
+def dataloader_batchnorm(tmp_path_factory):
+    """3 workers, torch DataLoader shuffled, Dense + BatchNormalization(synchronized=True), SGD.
+
+    256 rows in global batches of 48: the last batch (16 rows) leaves workers 1 and 2 empty.
+    """
+    return Scenario(tmp_path_factory, "dataloader_bn", 3, "--data", "dataloader", "--shuffle",
+                    "--batch-norm", "--optimizer", "sgd", "--epochs", "2", "--batch-size", "48",
+                    "--classification")
+
+
+@pytest.fixture(scope="module")
+def tfdata_adam(tmp_path_factory):
+    """2 workers, tf.data shuffled, Adam, 16 steps; unsynchronized BatchNormalization."""
+    return Scenario(tmp_path_factory, "tfdata_adam", 2, "--data", "tfdata", "--shuffle",
+                    "--optimizer", "adam", "--epochs", "2", "--batch-norm", "--unsynchronized")
+
+
+@pytest.fixture(scope="module")
+def arrays_shuffle_adam_3(tmp_path_factory):
+    """3 workers, a PyDataset (global batch 40, not divisible by 3), Adam, 14 steps."""
+    return Scenario(tmp_path_factory, "arrays_shuffle3", 3, "--data", "pydataset",
+                    "--optimizer", "adam", "--epochs", "2", "--batch-size", "40", "--rows", "280")
+
+
+@pytest.fixture(scope="module")
+def dropout_jit(tmp_path_factory):
+    """2 workers, arrays shuffled, Dropout, jit_compile=True."""
+    return Scenario(tmp_path_factory, "dropout_jit", 2, "--data", "arrays", "--shuffle",
+                    "--dropout", "0.3", "--jit", "--epochs", "2", reference=False)
+
+
+def _assert_bit_identical(scenario):
+    first = scenario.weights(0)
+    for index in range(1, scenario.workers):
+        assert common.max_weight_difference(first, scenario.weights(index)) == 0.0
+
+
+def _assert_equivalent(scenario, tolerance):
+    delta = common.max_weight_difference(scenario.weights(0), scenario.reference_weights())
+    print(f"max|Δw| vs one process: {delta:.3g}")
+    assert delta <= tolerance
+
+
+@pytest.mark.slow
+def test_sgd_arrays_two_workers_match_one_process(sgd_arrays):
+    _assert_bit_identical(sgd_arrays)
+    _assert_equivalent(sgd_arrays, SGD_TOLERANCE)
+
+
+@pytest.mark.slow
+def test_differently_seeded_workers_start_identical(sgd_arrays):
+    sums = {sgd_arrays.result(i)["initial_weight_sum"] for i in range(2)}
+    assert sums == {sgd_arrays.reference_result()["initial_weight_sum"]}
+
+
+@pytest.mark.slow
+def test_history_and_evaluate_are_global(sgd_arrays):
+    results = [sgd_arrays.result(i) for i in range(2)]
+    reference = sgd_arrays.reference_result()
+    assert results[0]["history"] == results[1]["history"]
+    assert results[0]["evaluate"] == results[1]["evaluate"]
+    for key, values in reference["history"].items():
+        np.testing.assert_allclose(results[0]["history"][key], values, rtol=1e-5)
+    for key, value in reference["evaluate"].items():
+        assert results[0]["evaluate"][key] == pytest.approx(value, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_predict_is_full_and_ordered_on_every_worker(sgd_arrays):
+    reference = np.load(os.path.join(sgd_arrays.reference_out, "predict0.npy"))
+    for index in range(2):
+        predictions = sgd_arrays.predictions(index)
+        assert predictions.shape == reference.shape == (256, 1)
+        np.testing.assert_allclose(predictions, reference, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_fast_torch_optimizer_is_kept(sgd_arrays):
+    assert sgd_arrays.result(0)["optimizer_class"].startswith("keras.src.backend.torch.optimizers")
+
+
+@pytest.mark.slow
+def test_dataloader_synchronized_batch_norm_three_workers(dataloader_batchnorm):
+    _assert_bit_identical(dataloader_batchnorm)
+    _assert_equivalent(dataloader_batchnorm, SGD_TOLERANCE)
+    results = [dataloader_batchnorm.result(i) for i in range(3)]
+    assert all(r["history"] == results[0]["history"] for r in results)
+    assert results[0]["optimizer_iterations"] == 12
+
+
+@pytest.mark.slow
+def test_tfdata_adam_with_unsynchronized_batch_norm(tfdata_adam):
+    _assert_bit_identical(tfdata_adam)
+    assert tfdata_adam.result(0)["optimizer_iterations"] == 16
+    # Unsynchronized BN moving statistics are averaged, so they do not drift between workers;
+    # the weights themselves follow local batch statistics, hence a looser bound.
+    delta = common.max_weight_difference(tfdata_adam.weights(0), tfdata_adam.reference_weights())
+    print(f"max|Δw| vs one process (unsynchronized BN): {delta:.3g}")
+    assert delta < 5e-2
+
+
+@pytest.mark.slow
+def test_pydataset_adam_three_workers_uneven_batches(arrays_shuffle_adam_3):
+    _assert_bit_identical(arrays_shuffle_adam_3)
+    _assert_equivalent(arrays_shuffle_adam_3, ADAM_TOLERANCE)
+    assert arrays_shuffle_adam_3.result(0)["optimizer_iterations"] == 14
+
+
+@pytest.mark.slow
+def test_dropout_jit_compile_workers_bit_identical(dropout_jit):
+    _assert_bit_identical(dropout_jit)
+    losses = dropout_jit.result(0)["history"]["loss"]
+    assert losses[-1] < losses[0]
+    assert dropout_jit.result(0)["history"] == dropout_jit.result(1)["history"]
+
+
+@pytest.mark.slow
+def test_custom_loop_surface(tmp_path):
+    _gang("torch_faults.py", 2, str(tmp_path), "surface")
+    results = [common.load_result(str(tmp_path), i) for i in range(2)]
+    for result in results:
+        assert result["local_results"] == 1
+        assert result["sum"] == [6.0, 60.0]
+        assert result["mean"] == [3.0, 30.0]
+        assert result["mean_axis0"] == pytest.approx(16.5)
+        assert result["broadcast"] == 0
+    assert results[1]["from_function"][0] == [1.0, 3.0, 5.0, 7.0]
+    assert results[0]["distributed"][0] == [0.0, 1.0, 2.0, 3.0]
+    assert results[1]["distributed"][0] == [4.0, 5.0, 6.0, 7.0]
+
+
+def _start_workers(out: str, mode: str, workers: int = 2):
+    ports = find_free_ports(workers)
+    addresses = [f"localhost:{port}" for port in ports]
+    processes = []
+    for index in range(workers):
+        env = dict(os.environ, **worker_env("torch"), TF_CONFIG=make_tf_config(addresses, index))
+        processes.append(subprocess.Popen(python_worker("torch_faults.py", out, mode), env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True, start_new_session=True))
+    return processes
+
+
+def _finish(processes, timeout: float) -> list[tuple[int, str]]:
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for process in processes:
+            output, _ = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append((process.returncode, output))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, 9)
+                process.wait()
+    return results
+
+
+def test_nccl_without_cuda_is_a_clear_error_within_5_seconds(tmp_path):
+    results = _finish(_start_workers(str(tmp_path), "nccl"), GANG_TIMEOUT)
+    for index, (code, output) in enumerate(results):
+        assert code != 0, output
+        result = common.load_result(str(tmp_path), index)
+        assert "NCCL" in result["error"] and "AUTO" in result["error"], result["error"]
+        assert result["error_seconds"] <= 5.0
+
+
+@pytest.mark.slow
+def test_crashed_peer_stops_survivor_naming_it(tmp_path):
+    results = _finish(_start_workers(str(tmp_path), "crash"), GANG_TIMEOUT)
+    assert results[1][0] == 3
+    code, output = results[0]
+    assert code != 0
+    error = common.load_result(str(tmp_path), 0)["error"]
+    assert "WorkerLostError" in error and "lost worker 1" in error, output[-3000:]
+    assert common.load_result(str(tmp_path), 0)["error_seconds"] < 60
+
+
+@pytest.mark.slow
+def test_hung_peer_stops_survivor_within_bounded_time(tmp_path):
+    processes = _start_workers(str(tmp_path), "hang")
+    try:
+        code, output = _finish(processes[:1], GANG_TIMEOUT)[0]
+    finally:
+        _finish(processes[1:], 1)
+    assert code != 0
+    result = common.load_result(str(tmp_path), 0)
+    assert "lost worker 1" in result["error"], output[-3000:]
+    assert result["error_seconds"] < 60
+    assert json.dumps(result)
