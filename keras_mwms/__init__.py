@@ -28,6 +28,16 @@ from keras_mwms.data import AutoShardPolicy, InputContext  # noqa: E402
 from keras_mwms.rendezvous import RendezvousError  # noqa: E402
 from keras_mwms.strategy import MultiWorkerMirroredStrategy  # noqa: E402
 
+
+def __getattr__(name):
+    # `keras_mwms.callbacks` imports Keras (which fixes the backend), so load it on first use.
+    if name == "callbacks":
+        import importlib
+
+        return importlib.import_module("keras_mwms.callbacks")
+    raise AttributeError(f"module 'keras_mwms' has no attribute {name!r}")
+
+
 __all__ = [
     "AutoShardPolicy",
     "ClusterSpec",
@@ -40,4 +50,5 @@ __all__ = [
     "TFConfigClusterResolver",
     "TFConfigError",
     "__version__",
+    "callbacks",
 ]

@@ -1,0 +1,64 @@
+"""Resume mid-epoch: skip the global batches a restored job already trained on.
+
+Keras 3's `BackupAndRestore` records the batch but restores only the epoch, so a job killed
+mid-epoch trains the first part of that epoch twice. Keras' `EpochIterator` has no hook for
+this, so we patch its private `_enumerate_iterator` (all three backends' epoch iterators
+inherit it): when a resume position is pending, the first training epoch pulls and discards
+the batches of the steps already done, and numbering continues at that step.
+
+Batches are pulled, not skipped by index, so every input kind (arrays, tf.data, PyDataset,
+generators) and every worker advances identically — the data position maps to global steps,
+which is what makes restoring with a different number of workers correct.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from keras_mwms.backends.base import require_tested_keras
+
+_pending = threading.local()
+_installed = False
+
+
+def skip_steps_in_next_training_epoch(steps: int) -> None:
+    """Registers `steps` already-trained steps to skip at the start of the next training epoch.
+
+    Example:
+
+    >>> skip_steps_in_next_training_epoch(0)   # nothing to skip
+    """
+    if steps < 0:
+        raise ValueError(f"steps to skip must be >= 0, got {steps}")
+    if steps:
+        install()
+    _pending.steps = steps
+
+
+def _take_pending() -> int:
+    steps = getattr(_pending, "steps", 0)
+    _pending.steps = 0
+    return steps
+
+
+def install() -> None:
+    """Applies the `EpochIterator._enumerate_iterator` patch once (tested Keras only)."""
+    global _installed
+    if _installed:
+        return
+    require_tested_keras("resume_mid_epoch")
+    from keras.src.trainers.epoch_iterator import EpochIterator
+
+    original = EpochIterator._enumerate_iterator
+
+    def _enumerate_iterator(self):
+        skip = _take_pending()
+        for begin_step, end_step, iterator in original(self):
+            if begin_step < skip:
+                for _ in range(self.steps_per_execution):
+                    next(iterator)
+                continue
+            yield begin_step, end_step, iterator
+
+    EpochIterator._enumerate_iterator = _enumerate_iterator
+    _installed = True

@@ -1,0 +1,15 @@
+"""Drop-in multi-worker replacements for Keras callbacks (same constructor arguments).
+
+Example:
+
+```python
+callbacks = [keras_mwms.callbacks.BackupAndRestore("/tmp/backup"),
+             keras_mwms.callbacks.ModelCheckpoint("/tmp/ckpt/best.keras", save_best_only=True)]
+```
+"""
+
+from keras_mwms.callbacks.backup_and_restore import BackupAndRestore, BackupAndRestoreError
+from keras_mwms.callbacks.model_checkpoint import ModelCheckpoint
+from keras_mwms.callbacks.tensorboard import TensorBoard
+
+__all__ = ["BackupAndRestore", "BackupAndRestoreError", "ModelCheckpoint", "TensorBoard"]

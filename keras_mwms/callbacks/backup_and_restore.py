@@ -1,0 +1,266 @@
+"""Multi-worker `BackupAndRestore`: restart a crashed job and resume exactly where it stopped."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import keras
+import numpy as np
+
+from keras_mwms import io
+from keras_mwms.backends import resume
+from keras_mwms.callbacks import coordination
+
+POINTER_FILE = "latest.json"
+STATE_FILE = "state.npz"
+METADATA_FILE = "metadata.json"
+FORMAT = "keras_mwms-backup/1"
+
+
+class BackupAndRestoreError(RuntimeError):
+    """A backup exists but cannot be restored (corrupt, or from another model)."""
+
+
+class BackupAndRestore(keras.callbacks.Callback):
+    """Backs up the training state so an interrupted multi-worker job resumes where it stopped.
+
+    Synchronous training is all-or-nothing: when one worker dies the job stops, and it is
+    restarted (by `python -m keras_mwms.launch --max-restarts K`, or by your orchestrator).
+    With this callback the restarted job continues from the last backup, at the saved epoch
+    **and step** — no batch is trained twice, and the final weights equal an uninterrupted
+    run's.
+
+    How it works across workers:
+
+    * **Only the chief writes.** Non-chief workers write nothing at all.
+    * **Writes are atomic.** Each backup is written into a temporary directory and switched in
+      by renaming a small pointer file (`latest.json`), so a kill mid-write leaves the previous
+      backup loadable. With `double_checkpoint=True` the previous backup is kept and used if the
+      latest cannot be read.
+    * **The chief reads, everyone restores.** On `fit` start the chief loads the backup and
+      broadcasts it to every worker through the backend's collectives, so every worker
+      restores the same state, and `backup_dir` needs to exist only on the chief's machine (a
+      shared file system works too, but is not required). The saved state is the model's
+      variables (weights, non-trainable statistics, random-seed state), the optimizer's
+      variables, and the epoch and step.
+    * **Any worker count.** Weights are mirrored, and the data position is counted in global
+      steps (global batches), so a job may be resumed with a different number of workers.
+    * **Deleted once.** At the end of a successful `fit`, after every worker has finished, the
+      chief deletes the backup (`delete_checkpoint=True`).
+
+    Without a `keras_mwms.MultiWorkerMirroredStrategy` (one plain process) it behaves like
+    `keras.callbacks.BackupAndRestore`, plus mid-epoch resumption.
+
+    Example:
+
+    ```python
+    strategy = keras_mwms.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = make_model()
+    backup = keras_mwms.callbacks.BackupAndRestore("/tmp/backup", save_freq=50)
+    model.fit(x, y, batch_size=64, epochs=10, callbacks=[backup])
+    ```
+
+    Args:
+        backup_dir: directory for the backup (created by the chief).
+        save_freq: `"epoch"` to back up at the end of every epoch, or an integer N to back up
+            every N training steps (batches). `False` disables periodic backups.
+        double_checkpoint: keep the previous backup too, and fall back to it when the latest
+            one cannot be read. Defaults to `False`.
+        delete_checkpoint: delete the backup when `fit` completes. Defaults to `True`.
+    """
+
+    def __init__(self, backup_dir: str, save_freq="epoch", double_checkpoint: bool = False,
+                 delete_checkpoint: bool = True):
+        super().__init__()
+        if not backup_dir:
+            raise ValueError("Empty `backup_dir` argument passed. Give the directory for backups.")
+        if save_freq != "epoch" and save_freq is not False and (
+                isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1):
+            raise ValueError(
+                f"Invalid value for argument `save_freq`. Received: save_freq={save_freq!r}. "
+                "Expected either 'epoch', False, or a positive integer number of steps."
+            )
+        self.backup_dir = str(backup_dir)
+        self.save_freq = save_freq
+        self.double_checkpoint = double_checkpoint
+        self.delete_checkpoint = delete_checkpoint
+        self._epoch = 0
+        self._steps_since_save = 0
+        self._restored_from: dict | None = None
+
+    # -- restoring ------------------------------------------------------------------------
+    def on_train_begin(self, logs=None):
+        if not self.model.built:
+            raise ValueError(
+                "To use the BackupAndRestore callback, your model must be built before you call "
+                f"`fit()`. Model {self.model.name} is unbuilt: give it an `Input` or call it on a "
+                "batch of data first."
+            )
+        optimizer = self.model.optimizer
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(self.model.trainable_variables)
+        package = self._read_backup() if coordination.is_chief() else None
+        package = coordination.broadcast_from_chief(package)
+        if isinstance(package, str):
+            raise BackupAndRestoreError(package)
+        if package is None:
+            return
+        metadata, arrays = package
+        self._assign_state(metadata, arrays)
+        self._epoch = metadata["epoch"]
+        self.model._initial_epoch = metadata["epoch"]
+        resume.skip_steps_in_next_training_epoch(metadata["step"])
+        self._restored_from = metadata
+        if coordination.is_chief():
+            print(f"BackupAndRestore: resuming from {self.backup_dir} at epoch "
+                  f"{metadata['epoch'] + 1}, step {metadata['step']} (saved by "
+                  f"{metadata['num_workers']} worker(s))", flush=True)
+
+    def _read_backup(self):
+        """Chief: `(metadata, arrays)`, None if there is no backup, or an error message."""
+        pointer_path = os.path.join(self.backup_dir, POINTER_FILE)
+        if not os.path.exists(pointer_path):
+            return None
+        try:
+            pointer = io.read_json(pointer_path)
+        except (OSError, ValueError) as error:
+            return f"BackupAndRestore: the backup pointer {pointer_path} is unreadable ({error})."
+        candidates = [pointer.get("current")]
+        if self.double_checkpoint and pointer.get("previous"):
+            candidates.append(pointer["previous"])
+        failures = []
+        for name in candidates:
+            try:
+                package = self._load_checkpoint(os.path.join(self.backup_dir, name))
+            except (OSError, ValueError, KeyError, BackupAndRestoreError) as error:
+                failures.append(f"{name}: {error}")
+                continue
+            if failures:
+                warnings.warn(f"BackupAndRestore: the latest backup could not be read "
+                              f"({failures[0]}); restored the previous one ({name}).", stacklevel=2)
+            return package
+        return (f"BackupAndRestore cannot restore from {self.backup_dir}: "
+                + "; ".join(failures)
+                + ". Delete the directory to start from scratch, or use double_checkpoint=True "
+                "to keep a fallback backup.")
+
+    def _load_checkpoint(self, directory: str):
+        metadata = io.read_json(os.path.join(directory, METADATA_FILE))
+        if metadata.get("format") != FORMAT:
+            raise BackupAndRestoreError(f"unknown backup format {metadata.get('format')!r}")
+        with np.load(os.path.join(directory, STATE_FILE)) as archive:
+            arrays = [archive[f"a{i}"] for i in range(len(archive.files))]
+        return metadata, arrays
+
+    def _state_variables(self):
+        variables = list(self.model.variables)
+        if self.model.optimizer is not None:
+            variables += list(self.model.optimizer.variables)
+        return variables
+
+    def _assign_state(self, metadata, arrays) -> None:
+        variables = self._state_variables()
+        expected = [list(shape) for shape in metadata["shapes"]]
+        actual = [list(variable.shape) for variable in variables]
+        if expected != actual:
+            raise BackupAndRestoreError(
+                f"The backup in {self.backup_dir} holds {len(expected)} variables that do not match "
+                f"this model and optimizer ({len(actual)} variables; first difference at "
+                f"{_first_difference(expected, actual, metadata['paths'], variables)}). "
+                "Use a new backup_dir for a different model."
+            )
+        for variable, value in zip(variables, arrays):
+            variable.assign(value)
+
+    # -- saving ---------------------------------------------------------------------------
+    def on_epoch_end(self, epoch, logs=None):
+        self._epoch = epoch + 1
+        self._steps_since_save = 0
+        if self.save_freq == "epoch":
+            self._save(epoch + 1, 0)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not isinstance(self.save_freq, int) or self.save_freq is False:
+            return
+        self._steps_since_save += 1
+        if self._steps_since_save < self.save_freq:
+            return
+        self._steps_since_save = 0
+        steps = self.params.get("steps") if self.params else None
+        if steps and batch + 1 >= steps:
+            self._save(self._epoch + 1, 0)
+        else:
+            self._save(self._epoch, batch + 1)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def _save(self, epoch: int, step: int) -> None:
+        coordination.sync_model_state(self.model)
+        variables = self._state_variables()
+        # Every worker reads its (mirrored) state so that backends whose reads involve
+        # collectives stay in step; only the chief writes.
+        arrays = [keras.ops.convert_to_numpy(variable.value) for variable in variables]
+        if not coordination.is_chief():
+            return
+        metadata = {
+            "format": FORMAT,
+            "epoch": epoch,
+            "step": step,
+            "num_workers": coordination.num_workers(),
+            "backend": keras.backend.backend(),
+            "saved_at": time.time(),
+            "paths": [variable.path for variable in variables],
+            "shapes": [list(variable.shape) for variable in variables],
+        }
+        write_backup(self.backup_dir, metadata, arrays, keep_previous=self.double_checkpoint)
+
+    def on_train_end(self, logs=None):
+        if not self.delete_checkpoint:
+            return
+        # Deleted once, by the chief, after every worker finished training.
+        coordination.barrier("keras_mwms.BackupAndRestore.delete")
+        if coordination.is_chief():
+            io.remove(self.backup_dir)
+
+
+def write_backup(backup_dir: str, metadata: dict, arrays: list, keep_previous: bool) -> str:
+    """Writes one backup atomically and switches `latest.json` to it; returns its directory name.
+
+    Example:
+
+    >>> import tempfile, numpy as np
+    >>> directory = tempfile.mkdtemp()
+    >>> name = write_backup(directory, {"format": FORMAT, "epoch": 1, "step": 0}, [np.zeros(2)], False)
+    >>> io.read_json(f"{directory}/latest.json")["current"] == name
+    True
+    """
+    os.makedirs(backup_dir, exist_ok=True)
+    io.remove_stale_temporaries(backup_dir)
+    pointer_path = os.path.join(backup_dir, POINTER_FILE)
+    old = io.read_json(pointer_path) if os.path.exists(pointer_path) else {}
+    name = f"checkpoint-{time.time_ns()}"
+    with io.atomic_path(os.path.join(backup_dir, name)) as temporary:
+        os.makedirs(temporary)
+        with open(os.path.join(temporary, STATE_FILE), "wb") as handle:
+            np.savez(handle, **{f"a{i}": array for i, array in enumerate(arrays)})
+            handle.flush()
+            os.fsync(handle.fileno())
+        io.write_json_atomically(os.path.join(temporary, METADATA_FILE), metadata)
+    previous = old.get("current") if keep_previous else None
+    io.write_json_atomically(pointer_path, {"current": name, "previous": previous})
+    keep = {name, previous}
+    for entry in os.listdir(backup_dir):
+        if entry.startswith("checkpoint-") and entry not in keep:
+            io.remove(os.path.join(backup_dir, entry))
+    return name
+
+
+def _first_difference(expected, actual, paths, variables) -> str:
+    for index, (want, have) in enumerate(zip(expected, actual)):
+        if want != have:
+            return f"variable {index}: backup {paths[index]} {want} vs model {variables[index].path} {have}"
+    return f"variable {min(len(expected), len(actual))} (different counts)"

@@ -1,0 +1,58 @@
+"""What a callback needs from the job: am I the chief, wait for all, share the chief's value.
+
+Callbacks work with or without a strategy: without one (plain single-process Keras) this
+process is the chief and the collectives are no-ops, so the Keras single-worker behaviour
+of every callback is kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from keras_mwms.strategy import get_strategy
+
+
+def is_chief() -> bool:
+    """True on the worker that writes files (or when no strategy exists).
+
+    Example:
+
+    >>> is_chief()
+    True
+    """
+    strategy = get_strategy()
+    return strategy is None or strategy.is_chief
+
+
+def num_workers() -> int:
+    """Workers in the job (1 without a strategy)."""
+    strategy = get_strategy()
+    return 1 if strategy is None else strategy.num_workers
+
+
+def barrier(name: str) -> None:
+    """Waits for every worker (bounded by the collective timeout); no-op on one worker."""
+    strategy = get_strategy()
+    if strategy is not None and strategy.num_workers > 1:
+        strategy.backend.barrier(name)
+
+
+def broadcast_from_chief(value: Any) -> Any:
+    """The chief's `value` on every worker; returns `value` itself on one worker.
+
+    Example:
+
+    >>> broadcast_from_chief({"epoch": 3})
+    {'epoch': 3}
+    """
+    strategy = get_strategy()
+    if strategy is None or strategy.num_workers == 1:
+        return value
+    return strategy.backend.broadcast_object(value, 0)
+
+
+def sync_model_state(model) -> None:
+    """Writes the JAX trainer's in-flight state back into the model's variables, if any."""
+    sync = getattr(model, "jax_state_sync", None)
+    if callable(sync):
+        sync()

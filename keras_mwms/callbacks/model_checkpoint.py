@@ -1,0 +1,63 @@
+"""Chief-aware `ModelCheckpoint`: every worker decides, only the chief writes, atomically."""
+
+from __future__ import annotations
+
+import os
+
+import keras
+
+from keras_mwms import io
+from keras_mwms.callbacks import coordination
+
+
+class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """`keras.callbacks.ModelCheckpoint` for multi-worker jobs: one file, written by the chief.
+
+    Same constructor as Keras', so swapping the import is the whole migration. Every worker
+    runs the same save decisions — the logs are global under keras_mwms, so `save_best_only`,
+    `monitor` and `initial_value_threshold` agree everywhere and `self.best` is identical on
+    all workers — but only the chief touches the file system: non-chief workers write nothing
+    (no file, no temporary directory). The chief writes to a temporary file in the target
+    directory and renames it into place, so a crash never leaves a half-written checkpoint.
+
+    Example:
+
+    ```python
+    checkpoint = keras_mwms.callbacks.ModelCheckpoint(
+        "/shared/ckpt/best.keras", monitor="val_loss", save_best_only=True)
+    model.fit(x, y, validation_split=0.2, epochs=10, callbacks=[checkpoint])
+    ```
+
+    Args:
+        filepath: where to save; may contain `{epoch}` and log keys like `{val_loss:.2f}`.
+            Must end in `.keras`, or `.weights.h5` with `save_weights_only=True`.
+        monitor: the (global) metric to monitor. Defaults to `"val_loss"`.
+        verbose: 1 prints a line when the chief saves.
+        save_best_only: save only when the monitored metric improves.
+        save_weights_only: save weights only (`model.save_weights`) instead of the whole model.
+        mode: `"auto"`, `"min"` or `"max"`.
+        save_freq: `"epoch"` or an integer number of batches.
+        initial_value_threshold: the best value to beat before the first save.
+    """
+
+    def _save_model(self, epoch, batch, logs):
+        filepath = self._get_file_path(epoch, batch, logs)
+        # Decided on every worker: it updates `self.best`, which must stay identical everywhere.
+        if not self._should_save_model(epoch, batch, logs, filepath):
+            return
+        if not coordination.is_chief():
+            return
+        if os.path.isdir(filepath):
+            raise OSError(
+                "Please specify a non-directory filepath for ModelCheckpoint. Filepath used is an "
+                f"existing directory: {filepath}"
+            )
+        coordination.sync_model_state(self.model)
+        suffix = ".weights.h5" if filepath.endswith(".weights.h5") else os.path.splitext(filepath)[1]
+        with io.atomic_path(filepath, suffix) as temporary:
+            if self.save_weights_only:
+                self.model.save_weights(temporary, overwrite=True)
+            else:
+                self.model.save(temporary, overwrite=True)
+        if self.verbose > 0:
+            print(f"\nEpoch {epoch + 1}: finished saving model to {filepath}", flush=True)
