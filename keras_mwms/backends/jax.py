@@ -414,12 +414,36 @@ class JaxBackend(Backend):
         job, task = self.resolver.group_tasks[index]
         return f"worker {index} ({job}:{task} at {self.resolver.worker_addresses[index]})"
 
+    def _announce_survival(self) -> None:
+        """Tells peers this worker saw the failure itself, so they do not name it as the lost one."""
+        thread = threading.Thread(target=lambda: self._client.key_value_set(
+            f"keras_mwms/survivor/{self.worker_index}", "1", allow_overwrite=True), daemon=True)
+        thread.start()
+        thread.join(2.0)
+
+    def _survivors(self) -> set[int]:
+        found: set[int] = set()
+
+        def ask():
+            for index in range(self.num_workers):
+                try:
+                    if self._client.key_value_try_get(f"keras_mwms/survivor/{index}"):
+                        found.add(index)
+                except Exception:  # noqa: BLE001 - "not found" is an exception in jaxlib
+                    pass
+
+        thread = threading.Thread(target=ask, daemon=True)
+        thread.start()
+        thread.join(2.0)
+        return found
+
     def _dead_peers(self) -> list[int]:
         here = socket.gethostname()
         dead = []
         remote = []
+        survivors = self._survivors()
         for index, peer in self._peers.items():
-            if index == self.worker_index:
+            if index == self.worker_index or index in survivors:
                 continue
             if peer.get("host") == here:
                 if not _process_alive(int(peer["pid"])):
@@ -456,6 +480,7 @@ class JaxBackend(Backend):
             "heartbeat", "Socket", "socket", "DEADLINE_EXCEEDED", "Broken pipe", "peer"))
         if not suspicious:
             return
+        self._announce_survival()
         dead: list[int] = []
         deadline = time.monotonic() + 5.0
         while not dead and time.monotonic() < deadline:

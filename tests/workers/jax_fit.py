@@ -52,7 +52,9 @@ common.log(f"worker {index}/{strategy.num_workers}, replicas {strategy.num_repli
 x, y = common.regression_data(arguments.rows)
 sample_weight = None
 with strategy.scope():
-    model = common.mlp(batch_norm=arguments.batch_norm, dropout=arguments.dropout)
+    # JAX runs the step SPMD over the global batch, so BatchNormalization already uses global
+    # statistics; Keras accepts synchronized=True only on TensorFlow.
+    model = common.mlp(batch_norm=arguments.batch_norm, dropout=arguments.dropout, synchronized=False)
     optimizer = (keras.optimizers.SGD(0.05, momentum=0.9) if arguments.optimizer == "sgd"
                  else keras.optimizers.Adam(1e-2))
     model.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
@@ -75,7 +77,7 @@ class Crash(keras.callbacks.Callback):
         if arguments.slow_steps:
             time.sleep(arguments.slow_steps)
         if index == arguments.die_worker and batch == arguments.die_after:
-            common.log("simulating a crash: os._exit(9)")
+            common.log(f"simulating a crash at {time.time():.3f}: os._exit(9)")
             os._exit(9)
 
 

@@ -1,0 +1,170 @@
+"""Multi-process acceptance tests of the JAX backend (`keras_mwms/backends/jax.py`).
+
+Each scenario runs `tests/workers/jax_fit.py` once as a real gang (fit + evaluate + predict +
+dumps) and once as the single-process reference (no TF_CONFIG); the tests compare the dumps
+with numpy only, so this pytest process never imports JAX or Keras.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from keras_mwms.cluster import make_tf_config
+from keras_mwms.launch import find_free_ports
+from tests.multiworker import python_worker, run_gang, worker_env
+
+pytestmark = [pytest.mark.jax, pytest.mark.slow]
+
+SCRIPT = "jax_fit.py"
+GANG_TIMEOUT = 400
+REFERENCE_TIMEOUT = 300
+
+SCENARIOS = {
+    # 2 workers, arrays, SGD, no shuffle, BatchNormalization, workers seeded differently,
+    # validation data, a partial last batch (256 = 5 × 48 + 16), the custom-loop primitives.
+    "sgd_batchnorm": dict(workers=2, args=["--batch-norm", "--seed-per-worker", "--validation",
+                                           "--primitives", "--batch-size", "48"]),
+    # 2 workers × 2 CPU devices = 4 replicas, arrays, Adam (16 steps), shuffle, Dropout.
+    "adam_shuffle_dropout_4replicas": dict(workers=2, args=["--optimizer", "adam", "--shuffle",
+                                                            "--dropout", "0.2"],
+                                           env={"JAX_NUM_CPU_DEVICES": "2"}),
+    # 3 workers, tf.data at the global batch; 48 rows do not divide the 16-row last batch by 3.
+    "tfdata_3workers": dict(workers=3, args=["--input", "tfdata", "--batch-size", "48"]),
+}
+
+
+def load_dump(out_dir, index):
+    with open(os.path.join(out_dir, f"w{index}.json")) as handle:
+        result = json.load(handle)
+    with np.load(os.path.join(out_dir, f"w{index}.npz")) as data:
+        arrays = [data[f"arr_{i}"] for i in range(len(data.files))]
+    count = result["num_weights"]
+    result["final"], result["initial"], result["predictions"] = (
+        arrays[:count], arrays[count:2 * count], arrays[2 * count])
+    return result
+
+
+def max_difference(a, b):
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+
+
+def run_reference(out_dir, args, extra_env):
+    env = dict(os.environ)
+    env.pop("TF_CONFIG", None)
+    env.update(worker_env("jax", **extra_env))
+    env.pop("JAX_NUM_CPU_DEVICES", None)  # the reference is one process on one device
+    completed = subprocess.run(python_worker(SCRIPT, out_dir, *args), env=env, capture_output=True,
+                               text=True, timeout=REFERENCE_TIMEOUT)
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+    return load_dump(out_dir, 0)
+
+
+@pytest.fixture(scope="module")
+def scenario_runs(tmp_path_factory):
+    """Runs every scenario (gang + reference) once; returns {name: (reference, [worker dumps])}."""
+    runs = {}
+    for name, spec in SCENARIOS.items():
+        env = spec.get("env", {})
+        gang_dir = tmp_path_factory.mktemp(f"{name}_gang")
+        result = run_gang(python_worker(SCRIPT, str(gang_dir), *spec["args"]), spec["workers"],
+                          GANG_TIMEOUT, env=worker_env("jax", **env))
+        assert result.returncode == 0, result.output[-8000:]
+        workers = [load_dump(str(gang_dir), index) for index in range(spec["workers"])]
+        reference = run_reference(str(tmp_path_factory.mktemp(f"{name}_ref")), spec["args"], env)
+        runs[name] = (reference, workers)
+    return runs
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_workers_bit_identical_and_equal_to_one_process(scenario_runs, name):
+    reference, workers = scenario_runs[name]
+    for worker in workers[1:]:
+        assert max_difference(worker["initial"], workers[0]["initial"]) == 0.0
+        assert max_difference(worker["final"], workers[0]["final"]) == 0.0
+        assert worker["history"] == workers[0]["history"]
+    assert max_difference(workers[0]["initial"], reference["initial"]) == 0.0
+    assert max_difference(workers[0]["final"], reference["final"]) <= 1e-5
+    for key, values in reference["history"].items():
+        np.testing.assert_allclose(workers[0]["history"][key], values, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_evaluate_global_and_predict_full_ordered(scenario_runs, name):
+    reference, workers = scenario_runs[name]
+    for worker in workers:
+        assert worker["evaluate"] == workers[0]["evaluate"]
+        assert worker["predict_shape"] == reference["predict_shape"] == [256, 1]
+        np.testing.assert_array_equal(worker["predictions"], workers[0]["predictions"])
+    for key, value in reference["evaluate"].items():
+        assert abs(workers[0]["evaluate"][key] - value) <= 1e-5
+    assert np.abs(workers[0]["predictions"] - reference["predictions"]).max() <= 1e-5
+
+
+def test_replicas_count_local_devices(scenario_runs):
+    assert scenario_runs["adam_shuffle_dropout_4replicas"][1][0]["replicas"] == 4
+    assert scenario_runs["tfdata_3workers"][1][0]["replicas"] == 3
+    assert scenario_runs["sgd_batchnorm"][0]["replicas"] == 1
+
+
+def test_custom_loop_primitives(scenario_runs):
+    _, workers = scenario_runs["sgd_batchnorm"]
+    for worker in workers:
+        assert worker["broadcast"] == {"from": 0, "tag": "hello"}
+        assert worker["local_results"] == 1
+        assert worker["reduce_sum"] == 3.0          # (0 + 1) + (1 + 1)
+        assert worker["reduce_mean"] == 1.5
+        assert worker["distributed_sums"] == [28.0, 92.0]   # sum(0..7), sum(8..15)
+
+
+def spawn_independent_workers(workers, args, timeout):
+    """Starts workers without a supervisor (the launcher would stop survivors itself)."""
+    addresses = [f"localhost:{port}" for port in find_free_ports(workers)]
+    processes = []
+    for index in range(workers):
+        env = dict(os.environ)
+        env.update(worker_env("jax", TF_CONFIG=make_tf_config(addresses, index), PYTHONUNBUFFERED="1"))
+        processes.append(subprocess.Popen(python_worker(SCRIPT, *args), env=env, text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+    ended, outputs = {}, {}
+    deadline = time.time() + timeout
+    try:
+        while len(ended) < workers and time.time() < deadline:
+            for index, process in enumerate(processes):
+                if index not in ended and process.poll() is not None:
+                    ended[index] = (process.returncode, time.time())
+            time.sleep(0.2)
+    finally:
+        for index, process in enumerate(processes):
+            if process.poll() is None:
+                os.killpg(process.pid, 9)
+            outputs[index] = process.communicate()[0]
+    return ended, outputs, addresses
+
+
+def test_peer_killed_mid_epoch_survivors_name_it(tmp_path):
+    ended, outputs, addresses = spawn_independent_workers(
+        3, [str(tmp_path), "--die-worker", "1", "--die-after", "3", "--slow-steps", "0.2"], GANG_TIMEOUT)
+    log = "\n".join(f"--- worker {i}\n{text[-3000:]}" for i, text in outputs.items())
+    assert sorted(ended) == [0, 1, 2], log
+    crash = re.search(r"simulating a crash at ([0-9.]+)", outputs[1])
+    assert crash and ended[1][0] == 9, log
+    for survivor in (0, 2):
+        code, exit_time = ended[survivor]
+        assert code != 0, log
+        assert exit_time - float(crash.group(1)) <= 60, log
+        assert f"lost worker 1 (worker:1 at {addresses[1]})" in outputs[survivor], log
+        assert "worker 0 (" not in outputs[survivor].split("lost ", 1)[1].split(" during")[0], log
+        assert "worker 2 (" not in outputs[survivor].split("lost ", 1)[1].split(" during")[0], log
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-x", "-q"]))
