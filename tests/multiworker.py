@@ -91,6 +91,39 @@ def run_gang(command: Sequence[str], workers: int, timeout: float, env: dict[str
     return GangResult(code, index, capture.getvalue(), gang.addresses)
 
 
+@dataclass
+class LaunchResult:
+    """How a `python -m keras_mwms.launch` run ended."""
+
+    returncode: int
+    output: str
+    launcher_log: str
+
+
+def run_launcher(launcher_args: Sequence[str], worker_command: Sequence[str], timeout: float,
+                 env: dict[str, str] | None = None) -> LaunchResult:
+    """Runs the real launcher CLI in its own process group, bounded by `timeout`."""
+    import signal
+    import subprocess
+
+    command = [sys.executable, "-m", "keras_mwms.launch", *launcher_args, *worker_command]
+    process = subprocess.Popen(command, cwd=REPO, env={**os.environ, **(env or {})},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        output, log = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, log = process.communicate()
+        raise AssertionError(f"launcher did not finish within {timeout} s:\n{log[-4000:]}\n"
+                             f"{output[-8000:]}") from None
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return LaunchResult(process.returncode, output, log)
+
+
 def python_worker(script: str, *args: str) -> list[str]:
     """Command line running `tests/workers/<script>` with this interpreter."""
     return [sys.executable, "-u", str(WORKERS_DIR / script), *args]

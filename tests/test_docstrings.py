@@ -6,7 +6,8 @@ import importlib
 import pytest
 
 MODULES = ["keras_mwms.cluster", "keras_mwms.rendezvous", "keras_mwms.data",
-           "keras_mwms.communication", "keras_mwms.launch", "keras_mwms.backends"]
+           "keras_mwms.communication", "keras_mwms.launch", "keras_mwms.backends",
+           "keras_mwms.io", "keras_mwms.backup_files"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -7,16 +7,10 @@ import time
 import warnings
 
 import keras
-import numpy as np
 
-from keras_mwms import io
+from keras_mwms import backup_files, io
 from keras_mwms.backends import resume
 from keras_mwms.callbacks import coordination
-
-POINTER_FILE = "latest.json"
-STATE_FILE = "state.npz"
-METADATA_FILE = "metadata.json"
-FORMAT = "keras_mwms-backup/1"
 
 
 class BackupAndRestoreError(RuntimeError):
@@ -66,7 +60,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     Args:
         backup_dir: directory for the backup (created by the chief).
         save_freq: `"epoch"` to back up at the end of every epoch, or an integer N to back up
-            every N training steps (batches). `False` disables periodic backups.
+            every N training steps (batches) and at the end of every epoch. `False` disables
+            periodic backups.
         double_checkpoint: keep the previous backup too, and fall back to it when the latest
             one cannot be read. Defaults to `False`.
         delete_checkpoint: delete the backup when `fit` completes. Defaults to `True`.
@@ -121,7 +116,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _read_backup(self):
         """Chief: `(metadata, arrays)`, None if there is no backup, or an error message."""
-        pointer_path = os.path.join(self.backup_dir, POINTER_FILE)
+        pointer_path = os.path.join(self.backup_dir, backup_files.POINTER_FILE)
         if not os.path.exists(pointer_path):
             return None
         try:
@@ -134,8 +129,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         failures = []
         for name in candidates:
             try:
-                package = self._load_checkpoint(os.path.join(self.backup_dir, name))
-            except (OSError, ValueError, KeyError, BackupAndRestoreError) as error:
+                package = backup_files.read_checkpoint(os.path.join(self.backup_dir, name))
+            except (OSError, ValueError, KeyError) as error:
                 failures.append(f"{name}: {error}")
                 continue
             if failures:
@@ -146,14 +141,6 @@ class BackupAndRestore(keras.callbacks.Callback):
                 + "; ".join(failures)
                 + ". Delete the directory to start from scratch, or use double_checkpoint=True "
                 "to keep a fallback backup.")
-
-    def _load_checkpoint(self, directory: str):
-        metadata = io.read_json(os.path.join(directory, METADATA_FILE))
-        if metadata.get("format") != FORMAT:
-            raise BackupAndRestoreError(f"unknown backup format {metadata.get('format')!r}")
-        with np.load(os.path.join(directory, STATE_FILE)) as archive:
-            arrays = [archive[f"a{i}"] for i in range(len(archive.files))]
-        return metadata, arrays
 
     def _state_variables(self):
         variables = list(self.model.variables)
@@ -179,7 +166,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         self._epoch = epoch + 1
         self._steps_since_save = 0
-        if self.save_freq == "epoch":
+        # Integer save_freq backs up at epoch boundaries too, so a finished epoch is never
+        # trained again after a restart (Keras' own callback only saves every N steps).
+        if self.save_freq is not False:
             self._save(epoch + 1, 0)
 
     def on_train_batch_end(self, batch, logs=None):
@@ -190,9 +179,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             return
         self._steps_since_save = 0
         steps = self.params.get("steps") if self.params else None
-        if steps and batch + 1 >= steps:
-            self._save(self._epoch + 1, 0)
-        else:
+        if not steps or batch + 1 < steps:  # the epoch-end backup covers the last step
             self._save(self._epoch, batch + 1)
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -207,7 +194,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if not coordination.is_chief():
             return
         metadata = {
-            "format": FORMAT,
+            "format": backup_files.FORMAT,
             "epoch": epoch,
             "step": step,
             "num_workers": coordination.num_workers(),
@@ -216,7 +203,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             "paths": [variable.path for variable in variables],
             "shapes": [list(variable.shape) for variable in variables],
         }
-        write_backup(self.backup_dir, metadata, arrays, keep_previous=self.double_checkpoint)
+        backup_files.write_backup(self.backup_dir, metadata, arrays, keep_previous=self.double_checkpoint)
 
     def on_train_end(self, logs=None):
         if not self.delete_checkpoint:
@@ -225,38 +212,6 @@ class BackupAndRestore(keras.callbacks.Callback):
         coordination.barrier("keras_mwms.BackupAndRestore.delete")
         if coordination.is_chief():
             io.remove(self.backup_dir)
-
-
-def write_backup(backup_dir: str, metadata: dict, arrays: list, keep_previous: bool) -> str:
-    """Writes one backup atomically and switches `latest.json` to it; returns its directory name.
-
-    Example:
-
-    >>> import tempfile, numpy as np
-    >>> directory = tempfile.mkdtemp()
-    >>> name = write_backup(directory, {"format": FORMAT, "epoch": 1, "step": 0}, [np.zeros(2)], False)
-    >>> io.read_json(f"{directory}/latest.json")["current"] == name
-    True
-    """
-    os.makedirs(backup_dir, exist_ok=True)
-    io.remove_stale_temporaries(backup_dir)
-    pointer_path = os.path.join(backup_dir, POINTER_FILE)
-    old = io.read_json(pointer_path) if os.path.exists(pointer_path) else {}
-    name = f"checkpoint-{time.time_ns()}"
-    with io.atomic_path(os.path.join(backup_dir, name)) as temporary:
-        os.makedirs(temporary)
-        with open(os.path.join(temporary, STATE_FILE), "wb") as handle:
-            np.savez(handle, **{f"a{i}": array for i, array in enumerate(arrays)})
-            handle.flush()
-            os.fsync(handle.fileno())
-        io.write_json_atomically(os.path.join(temporary, METADATA_FILE), metadata)
-    previous = old.get("current") if keep_previous else None
-    io.write_json_atomically(pointer_path, {"current": name, "previous": previous})
-    keep = {name, previous}
-    for entry in os.listdir(backup_dir):
-        if entry.startswith("checkpoint-") and entry not in keep:
-            io.remove(os.path.join(backup_dir, entry))
-    return name
 
 
 def _first_difference(expected, actual, paths, variables) -> str:

@@ -1,0 +1,129 @@
+"""keras_mwms.callbacks end to end: real workers, real kills, the real launcher's restarts.
+
+For each backend one module-scoped set of runs of `tests/workers/resume_scenario.py`:
+an uninterrupted reference (with ModelCheckpoint and TensorBoard), a worker SIGKILLed
+mid-epoch with `save_freq="epoch"`, one SIGKILLed mid-epoch with `save_freq=4`, and the chief
+killed half-way through writing a backup. Each faulty run is restarted by
+`python -m keras_mwms.launch --max-restarts 1` and must end with the reference's weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.multiworker import REPO, WORKERS_DIR, run_launcher, worker_env
+from tests.workers.common import load_result, load_weights, max_weight_difference
+
+BACKENDS = ["tensorflow", "jax", "torch"]
+SCENARIO = str(WORKERS_DIR / "resume_scenario.py")
+RUN_TIMEOUT = 420
+FAULTS = {
+    "reference": ["--checkpoints"],
+    "kill_epoch": ["--kill-at-step", "9", "--kill-worker", "1"],
+    "kill_steps": ["--save-freq", "4", "--kill-at-step", "11", "--kill-worker", "1"],
+    "kill_during_save": ["--kill-during-save", "2", "--double-checkpoint"],
+}
+
+
+def epochs_logged(out_dir, worker):
+    path = os.path.join(out_dir, f"epochs.w{worker}.jsonl")
+    with open(path) as handle:
+        return [json.loads(line) for line in handle]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def runs(request, tmp_path_factory):
+    backend = request.param
+    root = tmp_path_factory.mktemp(f"callbacks-{backend}")
+    results = {}
+    for name, arguments in FAULTS.items():
+        out, backup = root / name, root / f"{name}-backup"
+        results[name] = (out, backup, run_launcher(
+            ["--workers", "2", "--max-restarts", "0" if name == "reference" else "1",
+             "--grace-period", "3"],
+            [SCENARIO, "--out", str(out), "--backup", str(backup), *arguments],
+            timeout=RUN_TIMEOUT, env=worker_env(backend)))
+    return backend, results
+
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_run_succeeds_and_workers_agree(runs, fault):
+    _, results = runs
+    out, backup, result = results[fault]
+    assert result.returncode == 0, result.launcher_log + result.output[-6000:]
+    assert max_weight_difference(load_weights(out, 0), load_weights(out, 1)) == 0.0
+    assert not backup.exists(), "the chief did not delete the backup after a successful fit"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["kill_epoch", "kill_steps", "kill_during_save"])
+def test_restarted_run_ends_with_the_uninterrupted_weights(runs, fault):
+    _, results = runs
+    reference = load_weights(results["reference"][0], 0)
+    out, _, result = results[fault]
+    assert "restarting the gang" in result.launcher_log, result.launcher_log
+    assert max_weight_difference(load_weights(out, 0), reference) <= 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault,resumed_epoch,resumed_step", [
+    ("kill_epoch", 1, 0), ("kill_steps", 1, 4), ("kill_during_save", 1, 0)])
+def test_every_epoch_is_logged_once_and_resumes_at_the_saved_step(runs, fault, resumed_epoch, resumed_step):
+    _, results = runs
+    out, _, result = results[fault]
+    for worker in (0, 1):
+        epochs = [row["epoch"] for row in epochs_logged(out, worker)]
+        assert epochs == [0, 1, 2], epochs
+        second_attempt = [row["epoch"] for row in epochs_logged(out, worker) if row["attempt"] == "1"]
+        assert second_attempt[0] == resumed_epoch
+    assert f"at epoch {resumed_epoch + 1}, step {resumed_step}" in result.output
+
+
+@pytest.mark.slow
+def test_model_checkpoint_best_only_is_written_by_the_chief_alone(runs):
+    _, results = runs
+    out, _, _ = results["reference"]
+    assert not (out / "ckpt_w1").exists() and not (out / "tb_w1").exists()
+    saved = sorted(os.listdir(out / "ckpt_w0"))
+    assert all(name.startswith("model-") and name.endswith(".weights.h5") for name in saved), saved
+    history = load_result(out, 0)["history"]
+    assert history == load_result(out, 1)["history"], "the logs differ between workers"
+    val_loss = history["val_loss"]
+    improving = [epoch + 1 for epoch in range(len(val_loss))
+                 if val_loss[epoch] == min(val_loss[: epoch + 1])]
+    assert saved == [f"model-{epoch:02d}.weights.h5" for epoch in improving]
+    assert (out / "tb_w0" / "train").is_dir()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_keras_docstring_interrupt_and_resume_example(backend):
+    completed = subprocess.run(
+        [sys.executable, str(WORKERS_DIR / "callbacks_single.py")], cwd=REPO, capture_output=True,
+        text=True, timeout=300, env={**os.environ, **worker_env(backend)})
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    line = next(line for line in completed.stdout.splitlines() if line.startswith("RESULT"))
+    assert line.split()[1:] == ["6", "6"]
+
+
+def test_backup_write_is_atomic_and_keeps_the_previous_one(tmp_path):
+    from keras_mwms.backup_files import FORMAT, read_checkpoint, write_backup
+
+    first = write_backup(str(tmp_path), {"format": FORMAT, "epoch": 1}, [np.ones(3)], keep_previous=True)
+    second = write_backup(str(tmp_path), {"format": FORMAT, "epoch": 2}, [np.zeros(3)], keep_previous=True)
+    third = write_backup(str(tmp_path), {"format": FORMAT, "epoch": 3}, [np.zeros(3)], keep_previous=False)
+    assert first != second != third
+    assert sorted(os.listdir(tmp_path)) == sorted(["latest.json", third])
+    (tmp_path / ".tmp-keras_mwms-leftover").mkdir()
+    write_backup(str(tmp_path), {"format": FORMAT, "epoch": 4}, [np.zeros(3)], keep_previous=True)
+    assert not any(name.startswith(".tmp-") for name in os.listdir(tmp_path))
+    pointer = json.loads((tmp_path / "latest.json").read_text())
+    metadata, arrays = read_checkpoint(str(tmp_path / pointer["current"]))
+    assert metadata["epoch"] == 4 and np.array_equal(arrays[0], np.zeros(3))
