@@ -31,7 +31,8 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

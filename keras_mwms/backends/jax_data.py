@@ -21,7 +21,8 @@ cuts the same global batches.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -85,7 +86,7 @@ class ArraySource(GlobalBatchSource):
         for start in range(0, self._rows, self.batch_size):
             index = order[start:start + self.batch_size]
             batch = self._tree.map_structure(
-                lambda leaf: None if leaf is None else type(leaf).convert_to_numpy(leaf[index]),
+                lambda leaf, index=index: None if leaf is None else type(leaf).convert_to_numpy(leaf[index]),
                 self._arrays, none_is_leaf=True)
             if self._class_weight is not None:
                 x, y, sample_weight = batch
@@ -207,7 +208,7 @@ class LocalPartSource(GlobalBatchSource):
 
     local_parts = True
 
-    def __init__(self, dataset: "DistributedDataset"):
+    def __init__(self, dataset: DistributedDataset):
         self._dataset = dataset
 
     def epoch(self) -> Iterator[Any]:
