@@ -23,6 +23,10 @@ test: install
 lint: install
 	$(BIN)/ruff check keras_mwms tests guides
 
+# Every runnable guide in its short smoke mode, on every backend (as CI does in `make test`).
+guides: install
+	$(BIN)/python -m pytest tests/test_guides.py
+
 demo: install
 	$(BIN)/python -m keras_mwms.launch --workers 2 -m keras_mwms.demo
 
