@@ -129,3 +129,14 @@ def test_backup_write_is_atomic_and_keeps_the_previous_one(tmp_path):
     pointer = json.loads((tmp_path / "latest.json").read_text())
     metadata, arrays = read_checkpoint(str(tmp_path / pointer["current"]))
     assert metadata["epoch"] == 4 and np.array_equal(arrays[0], np.zeros(3))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_corrupted_backup_falls_back_and_unwritable_dir_is_a_clear_error(backend):
+    completed = subprocess.run(
+        [sys.executable, str(WORKERS_DIR / "backup_corruption.py")], cwd=REPO, capture_output=True,
+        text=True, timeout=300, env={**os.environ, **worker_env(backend)})
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    results = dict(line.split()[1:3] for line in completed.stdout.splitlines() if line.startswith("RESULT"))
+    assert results == {"fallback_first_epoch": "2", "fallback_warned": "True",
+                       "corrupt_error": "True", "unwritable": "True"}, completed.stdout

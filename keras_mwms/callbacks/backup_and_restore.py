@@ -203,7 +203,16 @@ class BackupAndRestore(keras.callbacks.Callback):
             "paths": [variable.path for variable in variables],
             "shapes": [list(variable.shape) for variable in variables],
         }
-        backup_files.write_backup(self.backup_dir, metadata, arrays, keep_previous=self.double_checkpoint)
+        try:
+            backup_files.write_backup(self.backup_dir, metadata, arrays,
+                                      keep_previous=self.double_checkpoint)
+        except OSError as error:
+            # Disk full, read-only or missing mount: the previous backup is untouched.
+            raise BackupAndRestoreError(
+                f"BackupAndRestore could not write a backup to {self.backup_dir} at epoch "
+                f"{epoch + 1}, step {step}: {error}. The previous backup (if any) is intact. "
+                "Check that the chief can create and write this directory and has free space."
+            ) from error
 
     def on_train_end(self, logs=None):
         if not self.delete_checkpoint:
