@@ -103,6 +103,8 @@ def _patch_trainer() -> None:
         if backend is not None:
             _distribute_optimizer(self, backend)
             _broadcast_state(self, backend)
+            # Layers may have changed since the last fit (trainable flags): re-collect.
+            object.__setattr__(self, "_keras_mwms_batch_norm_statistics", None)
         result = original_make_train(self, force)
         if backend is not None and not getattr(self.train_function, "_keras_mwms", False):
             self.train_function = _distributed_train_function(self, backend, self.train_function)
@@ -247,12 +249,16 @@ def _distribute_optimizer(model, backend: TorchBackend) -> None:
 
 
 def _unsynchronized_batch_norm_statistics(model) -> list:
+    cached = getattr(model, "_keras_mwms_batch_norm_statistics", None)
+    if cached is not None:
+        return cached
     from keras.src.layers import BatchNormalization
 
     statistics = []
     for layer in model._flatten_layers(include_self=False):
         if isinstance(layer, BatchNormalization) and layer.trainable and not layer.synchronized:
             statistics += [layer.moving_mean, layer.moving_variance]
+    object.__setattr__(model, "_keras_mwms_batch_norm_statistics", statistics)
     return statistics
 
 
@@ -362,25 +368,34 @@ def _patch_batch_normalization() -> None:
     original_init = BatchNormalization.__init__
     original_moments = BatchNormalization._moments
 
-    @functools.wraps(original_init)
-    def __init__(self, *args, synchronized=False, **kwargs):
-        original_init(self, *args, synchronized=False, **kwargs)
+    # The exact 3.15.1 signature: Keras' Operation.__new__ reads it to build get_config().
+    def __init__(self, axis=-1, momentum=0.99, epsilon=1e-3, center=True, scale=True,
+                 beta_initializer="zeros", gamma_initializer="ones",
+                 moving_mean_initializer="zeros", moving_variance_initializer="ones",
+                 beta_regularizer=None, gamma_regularizer=None, beta_constraint=None,
+                 gamma_constraint=None, renorm=False, renorm_clipping=None, renorm_momentum=0.99,
+                 synchronized=False, **kwargs):
+        original_init(self, axis, momentum, epsilon, center, scale, beta_initializer,
+                      gamma_initializer, moving_mean_initializer, moving_variance_initializer,
+                      beta_regularizer, gamma_regularizer, beta_constraint, gamma_constraint,
+                      renorm, renorm_clipping, renorm_momentum, synchronized=False, **kwargs)
         self.synchronized = synchronized
+
+    __init__.__doc__ = original_init.__doc__
 
     @functools.wraps(original_moments)
     def _moments(self, inputs, mask):
         backend = active_backend()
         if not self.synchronized or mask is not None or backend is None:
             return original_moments(self, inputs, mask)
-        axes = tuple(i for i in range(len(inputs.shape)) if i != self.axis % len(inputs.shape))
-        return synchronized_moments(backend, inputs, axes)
+        return synchronized_moments(backend, inputs, tuple(self._reduction_axes))
 
     BatchNormalization.__init__ = __init__
     BatchNormalization._moments = _moments
 
 
 def synchronized_moments(backend: TorchBackend, inputs, axes):
-    """Mean and variance over `axes` of the global batch (all workers), kept as dims (keepdims)."""
+    """Mean and variance over `axes` of the global batch (all workers), as `ops.moments`."""
     x = torch.as_tensor(inputs)
     compute_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     x = x.to(compute_dtype)
@@ -388,8 +403,8 @@ def synchronized_moments(backend: TorchBackend, inputs, axes):
     count = 1
     for axis in axes:
         count *= x.shape[axis]
-    local_sum = torch.sum(x, dim=axes, keepdim=True) * weight
-    local_square_sum = torch.sum(x * x, dim=axes, keepdim=True) * weight
+    local_sum = torch.sum(x, dim=axes) * weight
+    local_square_sum = torch.sum(x * x, dim=axes) * weight
     packed = torch.cat([local_sum.reshape(-1), local_square_sum.reshape(-1),
                         torch.tensor([count * weight], dtype=compute_dtype, device=x.device)])
     total = _differentiable_all_reduce(backend, packed)

@@ -1,6 +1,6 @@
-"""Torch-backend fault scenarios: NCCL on CPU, a crashed peer, a hung peer, custom-loop surface.
+"""Torch-backend fault scenarios: NCCL on CPU, a crashed peer, a hung peer.
 
-    python torch_faults.py OUT_DIR nccl|crash|hang|surface
+    python torch_faults.py OUT_DIR nccl|crash|hang
 
 * `nccl`: requests CommunicationImplementation.NCCL; records how long the error took.
 * `crash`: worker 1 dies (os._exit(3)) in the middle of fit; survivors must exit non-zero
@@ -43,9 +43,6 @@ def main() -> None:
     timeout = 10 if mode == "hang" else None
     strategy = keras_mwms.MultiWorkerMirroredStrategy(
         keras_mwms.CommunicationOptions(timeout_seconds=timeout))
-    if mode == "surface":
-        surface(strategy, out, index)
-        return
 
     class Sabotage(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -68,35 +65,6 @@ def main() -> None:
                            error_seconds=time.monotonic() - started)
         raise
     common.save_result(out, index, error=None)
-
-
-def surface(strategy, out: str, index: int) -> None:
-    import numpy as np
-    import torch
-
-    import keras_mwms
-
-    local = torch.tensor([float(index + 1), 10.0 * (index + 1)])
-    per_replica = strategy.run(lambda t: t * 2, args=(local,))
-    results = {
-        "local_results": len(strategy.experimental_local_results(per_replica)),
-        "sum": strategy.reduce("SUM", per_replica, axis=None).tolist(),
-        "mean": strategy.reduce("MEAN", per_replica, axis=None).tolist(),
-        "mean_axis0": float(strategy.reduce("MEAN", per_replica, axis=0)),
-        "broadcast": strategy.backend.broadcast_object({"from": index})["from"],
-    }
-    strategy.barrier("surface")
-
-    def dataset_fn(context: keras_mwms.InputContext):
-        batch = context.get_per_replica_batch_size(8)
-        rows = np.arange(32, dtype="float32")[context.input_pipeline_id::context.num_input_pipelines]
-        return [rows[i:i + batch] for i in range(0, len(rows), batch)]
-
-    results["from_function"] = [b.tolist() for b in strategy.distribute_datasets_from_function(dataset_fn)]
-    global_batches = [np.arange(i, i + 8, dtype="float32") for i in range(0, 32, 8)]
-    results["distributed"] = [b.tolist() for b in
-                              strategy.experimental_distribute_dataset(global_batches)]
-    common.save_result(out, index, **results)
 
 
 if __name__ == "__main__":

@@ -2,15 +2,16 @@
 
 Run by every worker of a gang (and without TF_CONFIG as the single-process reference):
 
-    python torch_scenario.py OUT_DIR --data arrays --optimizer sgd --epochs 2 [--shuffle] ...
+    python torch_scenario.py OUT_DIR SCENARIO [SCENARIO ...]
 
-Writes `OUT_DIR/w<index>.npz` (final weights) and `OUT_DIR/w<index>.json` (history, evaluate,
-predict digest, initial weights' digest, timings).
+Scenarios (see `SCENARIOS`, plus `surface` for the custom-loop API) run one after another in
+the same processes, so worker start-up is paid once. Each writes `OUT_DIR/<scenario>/w<index>.npz`
+(final weights), `.../w<index>.json` (history, evaluate, weight digests) and
+`.../predict<index>.npy`.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -50,64 +51,104 @@ def make_inputs(kind: str, x, y, batch_size: int, shuffle: bool):
     raise ValueError(kind)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out")
-    parser.add_argument("--data", default="arrays")
-    parser.add_argument("--optimizer", default="sgd")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=0, help="steps_per_epoch (0: all)")
-    parser.add_argument("--rows", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--shuffle", action="store_true")
-    parser.add_argument("--batch-norm", action="store_true")
-    parser.add_argument("--unsynchronized", action="store_true")
-    parser.add_argument("--dropout", type=float, default=0.0)
-    parser.add_argument("--jit", action="store_true")
-    parser.add_argument("--seed-by-worker", action="store_true")
-    parser.add_argument("--classification", action="store_true")
-    arguments = parser.parse_args()
+SCENARIOS = {
+    "sgd_arrays": dict(data="arrays", optimizer="sgd", seed_by_worker=True),
+    "tfdata_adam": dict(data="tfdata", shuffle=True, optimizer="adam", batch_norm=True,
+                        unsynchronized=True),
+    "dropout": dict(data="arrays", shuffle=True, dropout=0.3),
+    "jit": dict(data="arrays", jit=True, epochs=1),
+    "dataloader_bn": dict(data="dataloader", shuffle=True, batch_norm=True, batch_size=48,
+                          classification=True),
+    "pydataset_adam": dict(data="pydataset", optimizer="adam", batch_size=40, rows=280),
+}
 
+
+def run_scenario(strategy, out: str, data="arrays", optimizer="sgd", epochs=2, rows=256,
+                 batch_size=32, shuffle=False, batch_norm=False, unsynchronized=False,
+                 dropout=0.0, jit=False, seed_by_worker=False, classification=False) -> None:
     import keras
     import numpy as np
 
-    import keras_mwms
-
-    strategy = keras_mwms.MultiWorkerMirroredStrategy()
     index = strategy.worker_index
-    keras.utils.set_random_seed(100 + index if arguments.seed_by_worker else 100)
-    if arguments.classification:
-        x, y = common.classification_data(arguments.rows)
+    keras.utils.set_random_seed(100 + index if seed_by_worker else 100)
+    if classification:
+        x, y = common.classification_data(rows)
         outputs, loss, metrics = common.NUM_CLASSES, keras.losses.SparseCategoricalCrossentropy(
             from_logits=True), ["accuracy"]
     else:
-        x, y = common.regression_data(arguments.rows)
+        x, y = common.regression_data(rows)
         outputs, loss, metrics = 1, "mse", ["mae"]
-    optimizer = (keras.optimizers.SGD(0.05, momentum=0.9) if arguments.optimizer == "sgd"
-                 else keras.optimizers.Adam(1e-3))
     with strategy.scope():
-        model = common.mlp(outputs, batch_norm=arguments.batch_norm, dropout=arguments.dropout,
-                           synchronized=not arguments.unsynchronized)
-        model.compile(optimizer=optimizer, loss=loss, metrics=metrics,
-                      jit_compile=arguments.jit)
-    initial = [np.asarray(w) for w in model.get_weights()]
-    inputs = make_inputs(arguments.data, x, y, arguments.batch_size, arguments.shuffle)
-    fit_kwargs = dict(epochs=arguments.epochs, verbose=0)
-    if arguments.steps:
-        fit_kwargs["steps_per_epoch"] = arguments.steps
-    history = model.fit(**inputs, **fit_kwargs)
-    evaluation = model.evaluate(x, y, batch_size=arguments.batch_size, verbose=0, return_dict=True)
-    predictions = model.predict(x, batch_size=arguments.batch_size, verbose=0)
+        model = common.mlp(outputs, batch_norm=batch_norm, dropout=dropout,
+                           synchronized=not unsynchronized)
+        model.compile(optimizer=(keras.optimizers.SGD(0.05, momentum=0.9) if optimizer == "sgd"
+                                 else keras.optimizers.Adam(1e-3)),
+                      loss=loss, metrics=metrics, jit_compile=jit)
+    start_sums = []
+
+    class RecordStart(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            start_sums.append(float(sum(np.abs(w).sum() for w in self.model.get_weights())))
+
+    before = float(sum(np.abs(w).sum() for w in model.get_weights()))
+    history = model.fit(**make_inputs(data, x, y, batch_size, shuffle), epochs=epochs, verbose=0,
+                        callbacks=[RecordStart()])
+    evaluation = model.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True)
+    predictions = model.predict(x, batch_size=batch_size, verbose=0)
     common.save_result(
-        arguments.out, index, model,
+        out, index, model,
         history={key: [float(v) for v in values] for key, values in history.history.items()},
         evaluate={key: float(value) for key, value in evaluation.items()},
-        initial_weight_sum=float(sum(np.abs(w).sum() for w in initial)),
-        predict_shape=list(predictions.shape),
+        weight_sum_before_fit=before,
+        weight_sum_at_train_begin=start_sums[0],
         optimizer_class=type(model.optimizer).__mro__[1].__module__,
         optimizer_iterations=int(model.optimizer.iterations.numpy()),
     )
-    np.save(os.path.join(arguments.out, f"predict{index}.npy"), predictions)
+    np.save(os.path.join(out, f"predict{index}.npy"), predictions)
+
+
+def run_surface(strategy, out: str) -> None:
+    import numpy as np
+    import torch
+
+    import keras_mwms
+
+    index = strategy.worker_index
+    local = torch.tensor([float(index + 1), 10.0 * (index + 1)])
+    per_replica = strategy.run(lambda t: t * 2, args=(local,))
+    results = {
+        "local_results": len(strategy.experimental_local_results(per_replica)),
+        "sum": strategy.reduce("SUM", per_replica, axis=None).tolist(),
+        "mean": strategy.reduce("MEAN", per_replica, axis=None).tolist(),
+        "mean_axis0": float(strategy.reduce("MEAN", per_replica, axis=0)),
+        "broadcast": strategy.backend.broadcast_object({"from": index})["from"],
+    }
+    strategy.barrier("surface")
+
+    def dataset_fn(context: keras_mwms.InputContext):
+        batch = context.get_per_replica_batch_size(8)
+        rows = np.arange(32, dtype="float32")[context.input_pipeline_id::context.num_input_pipelines]
+        return [rows[i:i + batch] for i in range(0, len(rows), batch)]
+
+    results["from_function"] = [b.tolist() for b in strategy.distribute_datasets_from_function(dataset_fn)]
+    global_batches = [np.arange(i, i + 8, dtype="float32") for i in range(0, 32, 8)]
+    results["distributed"] = [b.tolist() for b in
+                              strategy.experimental_distribute_dataset(global_batches)]
+    common.save_result(out, index, **results)
+
+
+def main() -> None:
+    out, names = sys.argv[1], sys.argv[2:]
+    import keras_mwms
+
+    strategy = keras_mwms.MultiWorkerMirroredStrategy()
+    for name in names:
+        common.log("scenario", name)
+        target = os.path.join(out, name)
+        if name == "surface":
+            run_surface(strategy, target)
+        else:
+            run_scenario(strategy, target, **SCENARIOS[name])
     common.log("done")
 
 
