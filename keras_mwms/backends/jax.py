@@ -43,7 +43,8 @@ DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = 120.0
 HEARTBEAT_TIMEOUT_SECONDS = 20
 SHUTDOWN_TIMEOUT_SECONDS = 20
 LOST_WORKER_EXIT_CODE = 3
-EXIT_WATCHDOG_SECONDS = 10.0
+EXIT_WATCHDOG_SECONDS = 15.0
+CHIEF_LINGER_SECONDS = 6.0
 
 
 class WorkerLostError(RuntimeError):
@@ -510,6 +511,10 @@ class JaxBackend(Backend):
 
     def _exit_now_if_lost(self) -> None:
         if self._lost is not None:
+            if self.is_chief:
+                # The chief hosts JAX's coordination service; leaving at once would make the other
+                # survivors abort inside JAX before they could name the lost worker.
+                time.sleep(CHIEF_LINGER_SECONDS)
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(LOST_WORKER_EXIT_CODE)
