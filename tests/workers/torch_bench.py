@@ -17,6 +17,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402,F401  (puts the repository on sys.path)
 
 FEATURES, CLASSES, WIDTH, DEPTH = 64, 10, 512, 3
 WARMUP = 10
