@@ -5,8 +5,8 @@ NCCL collectives, mirrored variables, initial values broadcast from the chief). 
 
 * builds it from our validated resolver, after our rendezvous proved every worker is up — TF's
   own start-up waits for a missing peer forever;
-* maps `CommunicationOptions` onto TF's (NCCL without a GPU: a warning, then RING), with a
-  bounded collective timeout by default;
+* maps `CommunicationOptions` onto TF's (NCCL without a GPU: a warning, then RING); lost
+  peers are detected by TF's heartbeats, and `timeout_seconds` adds a per-collective bound;
 * repairs Keras 3.15.1's TensorFlow trainer under multi-worker strategies (two crashes, see
   `apply_keras_patches`), each patch named, linked to its upstream issue and guarded by
   `require_tested_keras`;
@@ -43,10 +43,11 @@ from keras_mwms.backends.base import Backend, require_tested_keras
 from keras_mwms.cluster import ClusterResolver
 from keras_mwms.communication import CommunicationImplementation, CommunicationOptions
 
-# TF's collective timeout spawns one sleeping thread per collective for its duration, so the
-# default is long enough for a slow first step or a chief's checkpoint write, and short enough
-# that a hung peer ends the job instead of holding it forever.
-DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = 300.0
+# TF's per-collective timeout starts one sleeping thread per collective for its whole duration
+# (≈2,500 live threads per worker after a short benchmark at 300 s), so by default we set none:
+# TF's coordination-service heartbeats already end every worker ≈10 s after a peer dies or is
+# stopped (SIGSTOP stops its heartbeat thread too). A user's `timeout_seconds` is passed on.
+DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = None
 
 _KERAS_PATCHED = False
 _backends_by_tf_strategy: dict[int, TensorFlowBackend] = {}
@@ -126,8 +127,8 @@ class TensorFlowBackend(Backend):
         return f"tf-collective-{self.implementation.value.lower()}"
 
     @property
-    def collective_timeout_seconds(self) -> float:
-        """The bound on every collective (the user's `timeout_seconds`, else the default)."""
+    def collective_timeout_seconds(self) -> float | None:
+        """The per-collective bound: the user's `timeout_seconds`, else none (heartbeats bound)."""
         return self.options.timeout_seconds or DEFAULT_COLLECTIVE_TIMEOUT_SECONDS
 
     # -- life cycle -----------------------------------------------------------------------
