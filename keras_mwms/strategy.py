@@ -22,6 +22,7 @@ from keras_mwms import __version__, devices
 from keras_mwms.backends import backend_class
 from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver, TFConfigClusterResolver
 from keras_mwms.communication import CommunicationOptions
+from keras_mwms.compat_v1 import CompatV1Methods
 from keras_mwms.rendezvous import Rendezvous
 
 _active_strategy: MultiWorkerMirroredStrategy | None = None
@@ -52,7 +53,7 @@ def build_fingerprint(resolver: ClusterResolver, options: CommunicationOptions,
     }
 
 
-class MultiWorkerMirroredStrategy:
+class MultiWorkerMirroredStrategy(CompatV1Methods):
     """Synchronous data-parallel training across workers, for Keras 3 on any backend.
 
     Each worker runs the same script; `TF_CONFIG` tells it the cluster and its place in it.

@@ -119,6 +119,14 @@ class Backend(abc.ABC):
     def distribute_datasets_from_function(self, dataset_fn: Callable, options: Any = None) -> Any:
         """Calls `dataset_fn(InputContext)` for this worker's pipeline and distributes the result."""
 
+    def update_config_proto(self, config_proto: Any) -> Any:
+        """compat.v1 `update_config_proto`: only meaningful on TensorFlow."""
+        raise NotImplementedError(
+            f"update_config_proto configures TensorFlow sessions; the {self.name or type(self).__name__} "
+            "backend has none. Remove the call (keras_mwms configures the engine itself), or use "
+            "KERAS_BACKEND=tensorflow."
+        )
+
     # -- primitives for callbacks ---------------------------------------------------------
     @abc.abstractmethod
     def barrier(self, name: str = "barrier") -> None:

@@ -166,6 +166,11 @@ def _fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
                         steps_per_epoch, validation_steps, validation_batch_size, validation_freq)
     from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
 
+    from keras_mwms import strategy
+
+    facade = strategy.get_strategy()
+    if facade is not None:
+        facade.check_tf_config_unchanged()
     if validation_split and validation_data is None:
         (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
             (x, y, sample_weight), validation_split=validation_split)

@@ -204,6 +204,10 @@ class TensorFlowBackend(Backend):
         per_replica = self.strategy.experimental_distribute_values_from_function(value_for)
         return np.asarray(self.strategy.reduce("SUM", per_replica, axis=None))
 
+    def update_config_proto(self, config_proto: Any) -> Any:
+        """compat.v1: a copy of `config_proto` with this strategy's collective settings."""
+        return self.strategy.extended._update_config_proto(config_proto)
+
     def barrier(self, name: str = "barrier") -> None:
         """Returns once every worker called it (one tiny all-reduce, bounded by the timeout)."""
         arrived = self._all_reduce_sum(np.ones((), np.int32))

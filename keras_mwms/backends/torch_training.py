@@ -84,7 +84,12 @@ def _patch_trainer() -> None:
         backend = backend_of(self)
         if backend is None:
             return original_fit(self, *args, **kwargs)
+        from keras_mwms import strategy
         from keras_mwms.backends import torch_data
+
+        facade = strategy.get_strategy()
+        if facade is not None:
+            facade.check_tf_config_unchanged()
 
         return original_fit(self, **torch_data.shard_fit_inputs(backend, args, kwargs))
 

@@ -1,0 +1,63 @@
+"""compat.v1 methods and the seed's known issues on 2 real workers per backend."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from keras_mwms.cluster import TFConfigClusterResolver
+from tests.multiworker import python_worker, run_gang, worker_env
+from tests.workers.common import load_result
+
+BACKENDS = ["tensorflow", "jax", "torch"]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def results(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"compat-{request.param}")
+    gang = run_gang(python_worker("compat_scenario.py", str(out)), 2, timeout=300,
+                    env=worker_env(request.param))
+    assert gang.returncode == 0, gang.output[-8000:]
+    return request.param, [load_result(str(out), index) for index in range(2)]
+
+
+def test_seed_partial_batch_reduce_uses_the_global_denominator(results):
+    _, (chief, worker) = results
+    for observed in (chief, worker):
+        assert observed["reduce_sum_axis0"] == pytest.approx(15.0)
+        assert observed["reduce_mean_axis0"] == pytest.approx(2.5)  # 15 / 6 rows, not / 2 replicas
+        assert observed["reduce_mean_none"] == pytest.approx([1.5, 3.0])
+        assert observed["reduce_sum_none"] == pytest.approx([3.0, 6.0])
+
+
+def test_dataset_and_input_fn_iterators(results):
+    _, (chief, worker) = results
+    assert chief["dataset_iterator_first"] == [[[0.0, 1.0], [2.0, 3.0]]]
+    assert worker["dataset_iterator_first"] == [[[4.0, 5.0], [6.0, 7.0]]]
+    assert chief["input_fn_first"] == [[0, 2]] and worker["input_fn_first"] == [[1, 3]]
+    assert "PER_WORKER" in chief["bad_mode"]
+
+
+def test_update_config_proto_is_tensorflow_only(results):
+    backend, (chief, _) = results
+    if backend == "tensorflow":
+        assert chief["update_config_proto"] == "ConfigProto"
+    else:
+        assert chief["update_config_proto"].startswith("NotImplementedError")
+        assert "KERAS_BACKEND=tensorflow" in chief["update_config_proto"]
+
+
+def test_task_type_branching_and_accelerators(results):
+    _, (chief, worker) = results
+    assert (chief["task_type"], chief["task_id"], worker["task_id"]) == ("worker", 0, 1)
+    assert chief["branch"] == "worker 0" and worker["branch"] == "worker 1"
+    assert chief["num_accelerators"] == {}
+
+
+def test_ps_tasks_are_ignored_with_a_warning():
+    config = json.dumps({"cluster": {"worker": ["a:1", "b:1"], "ps": ["p:1"]},
+                         "task": {"type": "worker", "index": 0}})
+    with pytest.warns(UserWarning, match="never waited for"):
+        resolver = TFConfigClusterResolver(tf_config=config)
+    assert resolver.worker_addresses == ["a:1", "b:1"]
