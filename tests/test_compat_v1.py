@@ -61,3 +61,15 @@ def test_ps_tasks_are_ignored_with_a_warning():
     with pytest.warns(UserWarning, match="never waited for"):
         resolver = TFConfigClusterResolver(tf_config=config)
     assert resolver.worker_addresses == ["a:1", "b:1"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strategy_after_the_backend_ran_is_handled_or_explained(backend):
+    gang = run_gang(python_worker("late_strategy.py"), 2, timeout=300, env=worker_env(backend))
+    outcomes = [line for worker in (0, 1) for line in gang.lines(worker) if line.startswith("RESULT")]
+    assert len(outcomes) == 2, gang.output[-6000:]
+    if backend == "torch":  # torch needs no start-up configuration: it simply works
+        assert all(line == "RESULT ok 2" for line in outcomes), outcomes
+    else:
+        for line in outcomes:
+            assert "Create the strategy first, right after the imports" in line, line

@@ -148,8 +148,19 @@ class TensorFlowBackend(Backend):
             # One worker: a local strategy (no gRPC server), i.e. plain Keras behaviour.
             cluster_resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
                 tf.train.ClusterSpec({}), task_type="worker", task_id=0)
-        self.strategy = tf.distribute.MultiWorkerMirroredStrategy(
-            cluster_resolver=cluster_resolver, communication_options=tf_options)
+        try:
+            self.strategy = tf.distribute.MultiWorkerMirroredStrategy(
+                cluster_resolver=cluster_resolver, communication_options=tf_options)
+        except RuntimeError as error:
+            if "configured at program startup" not in str(error):
+                raise
+            raise RuntimeError(
+                "TensorFlow already ran an operation in this process (a tensor, a Keras layer or "
+                "variable, keras.utils.set_random_seed(), ...) before "
+                "keras_mwms.MultiWorkerMirroredStrategy() was created, so its collectives can no "
+                "longer be configured. Create the strategy first, right after the imports, and "
+                "build models, seeds and data afterwards."
+            ) from error
         _backends_by_tf_strategy[id(self.strategy)] = self
 
     @property

@@ -1,0 +1,33 @@
+"""Uses the backend before creating the strategy (the seed's known issue); prints the outcome.
+
+Prints `RESULT ok <replicas>` if the strategy was created and trains, else
+`RESULT error <type>: <message>`.
+"""
+
+import os
+import sys
+
+import common  # noqa: F401  (puts the repo on sys.path)
+
+backend = os.environ["KERAS_BACKEND"]
+if backend == "tensorflow":
+    import tensorflow as tf
+
+    print("early op", float(tf.reduce_sum(tf.ones(3))), flush=True)
+elif backend == "jax":
+    import jax.numpy as jnp
+
+    print("early op", float(jnp.sum(jnp.ones(3))), flush=True)
+else:
+    import torch
+
+    print("early op", float(torch.ones(3).sum()), flush=True)
+
+import keras_mwms  # noqa: E402
+
+try:
+    strategy = keras_mwms.MultiWorkerMirroredStrategy()
+except Exception as error:  # noqa: BLE001 - the outcome is what this script reports
+    print(f"RESULT error {type(error).__name__}: {error}", flush=True)
+    sys.exit(1)
+print(f"RESULT ok {strategy.num_replicas_in_sync}", flush=True)
