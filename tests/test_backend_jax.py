@@ -127,6 +127,8 @@ def test_custom_loop_primitives(scenario_runs):
         assert worker["local_results"] == 1
         assert worker["reduce_sum"] == 3.0          # (0 + 1) + (1 + 1)
         assert worker["reduce_mean"] == 1.5
+        assert worker["reduce_nested_sum"] == [3.0, [3.0, 3.0, 3.0], 6.0, "float16"]
+        assert worker["reduce_nested_mean"] == [1.5, [1.5, 1.5, 1.5], 3.0, "float16"]
         assert worker["distributed_sums"] == [28.0, 92.0]   # sum(0..7), sum(8..15)
 
 

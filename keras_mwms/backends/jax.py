@@ -263,18 +263,40 @@ class JaxBackend(Backend):
     def reduce(self, reduce_op: str, value: Any, axis: int | None) -> Any:
         import jax
 
-        components = [np.asarray(jax.device_get(part)) for part in self.experimental_local_results(value)]
-        if isinstance(value, PerReplica) or self.replicas_per_worker == 1:
-            local_count = len(components) if axis is None else sum(part.shape[axis] for part in components)
-        else:
-            local_count = 1
-        summed = [part.sum(axis=axis) if axis is not None else part for part in components]
-        local_sum = np.sum(np.stack(summed), axis=0)
-        total = self.all_reduce_sum(local_sum)
+        # A nest (e.g. `(loss, gradients)` from a custom training step) is reduced leaf by leaf,
+        # as on TensorFlow and torch, in one flat all-reduce per dtype.
+        components = self.experimental_local_results(value)
+        structure = jax.tree_util.tree_structure(components[0])
+        per_leaf = zip(*[[np.asarray(jax.device_get(leaf)) for leaf in jax.tree_util.tree_leaves(part)]
+                         for part in components])
+        local_sums, local_counts = [], []
+        for parts in per_leaf:
+            if isinstance(value, PerReplica) or self.replicas_per_worker == 1:
+                local_counts.append(len(parts) if axis is None else sum(p.shape[axis] for p in parts))
+            else:
+                local_counts.append(1)
+            summed = [part.sum(axis=axis) if axis is not None else part for part in parts]
+            local_sums.append(np.sum(np.stack(summed), axis=0))
+        totals = self._all_reduce_sum_nest(local_sums)
         if reduce_op == "MEAN":
-            count = self.all_reduce_sum(np.asarray(local_count, dtype=np.float64))
-            return (total / count).astype(local_sum.dtype)
-        return total
+            counts = self.all_reduce_sum(np.asarray(local_counts, dtype=np.float64))
+            totals = [(total / count).astype(local.dtype)
+                      for total, count, local in zip(totals, counts, local_sums)]
+        return jax.tree_util.tree_unflatten(structure, totals)
+
+    def _all_reduce_sum_nest(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """`all_reduce_sum` of several arrays: one flat collective per dtype, same bits as one by one."""
+        if len(arrays) == 1:
+            return [self.all_reduce_sum(arrays[0])]
+        totals: list[Any] = [None] * len(arrays)
+        for dtype in dict.fromkeys(array.dtype for array in arrays):  # same order on every worker
+            indices = [i for i, array in enumerate(arrays) if array.dtype == dtype]
+            flat = self.all_reduce_sum(np.concatenate([arrays[i].ravel() for i in indices]))
+            offset = 0
+            for i in indices:
+                totals[i] = flat[offset:offset + arrays[i].size].reshape(arrays[i].shape)
+                offset += arrays[i].size
+        return totals
 
     def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
         from keras_mwms.backends.jax_data import DistributedDataset, split_local_replicas

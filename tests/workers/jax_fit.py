@@ -109,6 +109,12 @@ if arguments.primitives:
     results["local_results"] = len(strategy.experimental_local_results(per_replica))
     results["reduce_sum"] = float(strategy.reduce("SUM", per_replica, axis=None))
     results["reduce_mean"] = float(strategy.reduce("MEAN", per_replica, axis=None))
+    # A custom loop reduces whole nests, e.g. (loss, gradients); mixed dtypes on purpose.
+    nested = strategy.run(lambda v: (v, [np.full(3, v, "float32"), np.float16(2 * v)]),
+                          args=(np.float32(index + 1),))
+    for op in ("SUM", "MEAN"):
+        total, (vector, half) = strategy.reduce(op, nested, axis=None)
+        results[f"reduce_nested_{op.lower()}"] = [float(total), vector.tolist(), float(half), str(half.dtype)]
     import tensorflow as tf
 
     global_batches = tf.data.Dataset.from_tensor_slices(np.arange(16, dtype="float32")).batch(8)
