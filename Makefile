@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.keras_mwms-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test lint demo guides clean
+.PHONY: install test lint demo guides bench-quick clean
 
 install: $(STAMP)
 
@@ -29,6 +29,11 @@ guides: install
 
 demo: install
 	$(BIN)/python -m keras_mwms.launch --workers 2 -m keras_mwms.demo
+
+# The CI benchmark (< 5 min on 2 cores): all-reduce and fit of every backend vs its native peer;
+# prints the tables (ratio keras_mwms/native last), writes build/bench-quick/benchmark.{json,png}.
+bench-quick: install
+	$(BIN)/python -m keras_mwms.benchmark --quick --out build/bench-quick
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

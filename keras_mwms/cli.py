@@ -43,6 +43,7 @@ def tf_config_main(argv: Sequence[str]) -> int:
 COMMANDS = {
     "launch": "start, watch and restart a local gang of workers",
     "tf-config": "print one worker's TF_CONFIG JSON",
+    "benchmark": "measure all-reduce and fit speed against each backend's native peer",
 }
 
 

@@ -1,0 +1,30 @@
+"""`python -m keras_mwms.benchmark`: what keras_mwms costs per step, against the native peers.
+
+Two measurements, each in real worker gangs started by the launcher:
+
+* `allreduce` — bus bandwidth and latency of the engine keras_mwms uses on each backend, for
+  sizes 4 KiB…64 MiB, with nccl-tests' algbw/busbw columns and the ring lower bound
+  2(n−1)/n · bytes / bandwidth at the loopback TCP bandwidth measured on this machine;
+* `fit` — steps/s and examples/s of an MLP (width × depth) and a small conv net, for one
+  process and N workers, for keras_mwms and, in the same run, each backend's native peer
+  (TF: Keras 3 + tf.distribute with only the crash fixes, and tf-keras 2.21 + tf.distribute;
+  JAX: plain `keras.distribution.DataParallel`; torch: a hand-written DDP loop), with ratios,
+  per-step sync overhead against the raw gradient all-reduce, and start-up to the first step.
+
+Output: tables on stdout, `benchmark.json` and `benchmark.png` in `--out`.
+
+Example:
+
+    python -m keras_mwms.benchmark --quick                    # the CI preset (make bench-quick)
+    keras-mwms benchmark allreduce --backends torch --workers 2
+    python -m keras_mwms.benchmark fit --width 1024 --depth 4 --out build/bench
+
+Modules: `config` (what is measured), `bandwidth` (link probes, ring bound), `allreduce`
+(engine timing), `models`, `timing`, `fit` and `peers` (the timed variants), `worker` (one
+worker process), `analysis` (ratios, overhead), `report` (tables, JSON, PNG), `runner` (the
+driver), `command` (the CLI).
+"""
+
+from keras_mwms.benchmark.command import main
+
+__all__ = ["main"]

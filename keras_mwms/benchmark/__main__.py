@@ -1,0 +1,7 @@
+"""`python -m keras_mwms.benchmark` — see `keras_mwms.benchmark`."""
+
+import sys
+
+from keras_mwms.benchmark.command import main
+
+sys.exit(main())

@@ -1,0 +1,166 @@
+"""From the workers' raw JSON to the report's rows: fits, ratios, sync overhead, all-reduce.
+
+Definitions (also printed under the tables):
+
+* steps/s of a variant: the best of its repeats, read on worker 0 (steps are synchronous, so
+  every worker runs at the same rate); examples/s = steps/s × global batch.
+* ratio = keras_mwms steps/s ÷ the native peer's steps/s, same backend, model, worker count and
+  global batch; ≥ 1.0 means keras_mwms is at least as fast.
+* threads: every process, also the single one, gets cores ÷ N threads — the compute of one of
+  the N workers — so one process vs N workers is a scaling comparison at equal per-process
+  resources (oversubscribed or contended cores distort multi-threaded runs badly on a shared box).
+* sync overhead per step = step time with N workers − step time of one process on one worker's
+  share of the global batch (global batch ÷ N, same threads): what a step costs beyond the
+  worker's own compute. Compared with the raw all-reduce time of the gradient bytes on the same
+  engine (the "gradients:<model>" all-reduce row).
+* start-up: from the driver launching the worker process to the end of its first training step
+  (imports, cluster join, build, compile, trace, one step); only for the first variant of a
+  process — variants sharing a process report their own set-up-to-first-step time instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from keras_mwms.benchmark.allreduce import summarize
+from keras_mwms.benchmark.peers import PEERS
+
+OURS = "keras_mwms"
+
+
+def _ok_gangs(gangs: Sequence[dict]) -> list[dict]:
+    return [gang for gang in gangs if gang.get("ok") and gang.get("results")]
+
+
+def _chief(gang: dict) -> dict:
+    return min(gang["results"], key=lambda result: result["worker_index"])
+
+
+def fit_rows(gangs: Sequence[dict]) -> list[dict]:
+    """One row per (backend, model, workers, variant): best steps/s over repeats and start-up.
+
+    Example:
+
+    >>> fit = {"variant": "keras_mwms", "model": "mlp", "repeat": 0, "steps_per_second": 10.0,
+    ...        "examples_per_second": 640.0, "first_step_seconds": 1.0, "timed_steps": 5,
+    ...        "global_batch": 64, "startup_seconds": 9.0}
+    >>> gang = {"ok": True, "backend": "torch", "workers": 2, "results": [
+    ...     {"worker_index": 0, "threads": 1, "fits": [fit]},
+    ...     {"worker_index": 1, "threads": 1, "fits": [dict(fit, startup_seconds=9.5)]}]}
+    >>> row = fit_rows([gang])[0]
+    >>> row["steps_per_second"], row["startup_seconds"], row["threads"]
+    (10.0, 9.5, 1)
+    """
+    rows: dict[tuple, dict] = {}
+    for gang in _ok_gangs(gangs):
+        chief = _chief(gang)
+        for position, fit in enumerate(chief.get("fits", [])):
+            startups = [result["fits"][position].get("startup_seconds") for result in gang["results"]
+                        if len(result.get("fits", [])) > position]
+            startups = [value for value in startups if value is not None]
+            key = (gang["backend"], fit["model"], gang["workers"], fit["variant"], fit["global_batch"])
+            row = rows.setdefault(key, {
+                "backend": gang["backend"], "model": fit["model"], "workers": gang["workers"],
+                "variant": fit["variant"], "global_batch": fit["global_batch"], "threads": chief["threads"],
+                "steps_per_second": 0.0,
+                "examples_per_second": 0.0, "all_steps_per_second": [], "first_step_seconds": None,
+                "startup_seconds": None,
+            })
+            row["all_steps_per_second"].append(fit["steps_per_second"])
+            if fit["steps_per_second"] > row["steps_per_second"]:
+                row["steps_per_second"] = fit["steps_per_second"]
+                row["examples_per_second"] = fit["examples_per_second"]
+            if row["first_step_seconds"] is None:
+                row["first_step_seconds"] = fit["first_step_seconds"]
+            if startups and row["startup_seconds"] is None:
+                row["startup_seconds"] = max(startups)
+    return list(rows.values())
+
+
+def allreduce_tables(gangs: Sequence[dict], link_bandwidth: float) -> dict[str, list[dict]]:
+    """Per backend: the merged all-reduce rows of its keras_mwms multi-worker gang."""
+    tables = {}
+    for gang in _ok_gangs(gangs):
+        if gang["workers"] < 2 or gang["role"] != OURS:
+            continue
+        per_worker = [result["allreduce"] for result in sorted(gang["results"], key=lambda r: r["worker_index"])
+                      if result.get("allreduce")]
+        if per_worker:
+            tables[gang["backend"]] = summarize(per_worker, gang["workers"], link_bandwidth)
+    return tables
+
+
+def _index(rows: Sequence[dict]) -> dict[tuple, dict]:
+    return {(row["backend"], row["model"], row["workers"], row["variant"], row["global_batch"]): row
+            for row in rows}
+
+
+def ratio_rows(fits: Sequence[dict]) -> list[dict]:
+    """keras_mwms ÷ each native peer, per backend, model and worker count.
+
+    Example:
+
+    >>> fits = [{"backend": "torch", "model": "mlp", "workers": 2, "variant": "keras_mwms",
+    ...          "global_batch": 64, "steps_per_second": 30.0, "startup_seconds": 9.0,
+    ...          "first_step_seconds": 1.0},
+    ...         {"backend": "torch", "model": "mlp", "workers": 2, "variant": "torch DDP loop",
+    ...          "global_batch": 64, "steps_per_second": 40.0, "startup_seconds": None,
+    ...          "first_step_seconds": 0.1}]
+    >>> [(row["peer"], row["ratio"]) for row in ratio_rows(fits)]
+    [('torch DDP loop', 0.75)]
+    """
+    index = _index(fits)
+    rows = []
+    for (backend, model, workers, variant, batch), ours in sorted(index.items()):
+        if variant != OURS:
+            continue
+        for peer in PEERS.get(backend, ()):
+            theirs = index.get((backend, model, workers, peer, batch))
+            if theirs is None:
+                continue
+            rows.append({
+                "backend": backend, "model": model, "workers": workers, "global_batch": batch, "peer": peer,
+                "keras_mwms_steps_per_second": ours["steps_per_second"],
+                "peer_steps_per_second": theirs["steps_per_second"],
+                "ratio": ours["steps_per_second"] / theirs["steps_per_second"],
+                "keras_mwms_startup_seconds": ours.get("startup_seconds"),
+                "peer_startup_seconds": theirs.get("startup_seconds"),
+                "keras_mwms_first_step_seconds": ours.get("first_step_seconds"),
+                "peer_first_step_seconds": theirs.get("first_step_seconds"),
+            })
+    return rows
+
+
+def overhead_rows(fits: Sequence[dict], allreduce: dict[str, list[dict]], workers: int) -> list[dict]:
+    """Per backend, model and variant: sync overhead per step vs the gradient all-reduce time.
+
+    Example:
+
+    >>> fits = [{"backend": "torch", "model": "mlp", "workers": 1, "variant": "keras_mwms",
+    ...          "global_batch": 32, "steps_per_second": 50.0},
+    ...         {"backend": "torch", "model": "mlp", "workers": 2, "variant": "keras_mwms",
+    ...          "global_batch": 64, "steps_per_second": 40.0}]
+    >>> table = {"torch": [{"label": "gradients:mlp", "bytes": 400, "time_us": 4000.0}]}
+    >>> row = overhead_rows(fits, table, 2)[0]
+    >>> round(row["sync_overhead_ms"], 3), row["allreduce_ms"], round(row["overhead_vs_allreduce"], 3)
+    (5.0, 4.0, 1.25)
+    """
+    index = _index(fits)
+    rows = []
+    for (backend, model, count, variant, batch), multi in sorted(index.items()):
+        single = index.get((backend, model, 1, variant, batch // workers))
+        if count != workers or single is None:
+            continue
+        gradient = next((row for row in allreduce.get(backend, []) if row["label"] == f"gradients:{model}"),
+                        None)
+        single_ms = 1000.0 / single["steps_per_second"]
+        multi_ms = 1000.0 / multi["steps_per_second"]
+        overhead = multi_ms - single_ms
+        allreduce_ms = gradient["time_us"] / 1000.0 if gradient else None
+        rows.append({
+            "backend": backend, "model": model, "workers": count, "variant": variant,
+            "global_batch": batch, "step_ms_share": single_ms, "step_ms_workers": multi_ms, "sync_overhead_ms": overhead,
+            "gradient_bytes": gradient["bytes"] if gradient else None, "allreduce_ms": allreduce_ms,
+            "overhead_vs_allreduce": overhead / allreduce_ms if allreduce_ms else None,
+        })
+    return rows

@@ -1,0 +1,136 @@
+"""The native peers keras_mwms is compared with, each on the same model, data and global batch.
+
+| backend    | peer variant            | what users would run instead of keras_mwms                     |
+|------------|-------------------------|----------------------------------------------------------------|
+| tensorflow | `keras3+tf.distribute`  | Keras 3 + `tf.distribute.MultiWorkerMirroredStrategy`, with only the two Keras 3.15.1 crash fixes (the patch functions of `keras_mwms.backends.tensorflow`) |
+| tensorflow | `tf-keras+tf.distribute`| tf-keras 2.21 (legacy Keras 2) + `tf.distribute.MultiWorkerMirroredStrategy` |
+| jax        | `keras.DataParallel`    | Keras' own `fit` (unpatched) under `keras.distribution.DataParallel`, each process feeding its shard |
+| torch      | `torch DDP loop`        | a hand-written `DistributedDataParallel` loop on the equivalent torch.nn model |
+
+With one process every peer runs without any strategy (plain Keras, plain tf-keras, a plain
+torch loop), which is the single-process baseline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import numpy as np
+
+from keras_mwms.benchmark.config import BenchmarkConfig
+from keras_mwms.benchmark.fit import timed_keras_fit
+from keras_mwms.benchmark.models import LEARNING_RATE, build_keras_model, build_torch_model
+from keras_mwms.benchmark.timing import FitTiming
+
+KERAS3_TF_DISTRIBUTE = "keras3+tf.distribute"
+TF_KERAS_TF_DISTRIBUTE = "tf-keras+tf.distribute"
+JAX_DATA_PARALLEL = "keras.DataParallel"
+TORCH_DDP_LOOP = "torch DDP loop"
+PEERS = {"tensorflow": (KERAS3_TF_DISTRIBUTE, TF_KERAS_TF_DISTRIBUTE), "jax": (JAX_DATA_PARALLEL,),
+         "torch": (TORCH_DDP_LOOP,)}
+
+
+def tensorflow_native_strategy(workers: int):
+    """`tf.distribute.MultiWorkerMirroredStrategy()` from TF_CONFIG with only the crash fixes; None alone."""
+    if workers == 1:
+        return None
+    import tensorflow as tf
+    from keras.src.backend.tensorflow import trainer as tensorflow_trainer
+
+    from keras_mwms.backends import tensorflow as patches
+
+    # Only the two Keras 3.15.1 crash fixes (keras-team/keras#20585), none of keras_mwms' wrappers.
+    tensorflow_trainer.TensorFlowTrainer._maybe_symbolic_build = patches._maybe_symbolic_build
+    tensorflow_trainer.reduce_per_replica = patches._make_reduce_per_replica(
+        tensorflow_trainer.reduce_per_replica)
+    return tf.distribute.MultiWorkerMirroredStrategy()
+
+
+def tensorflow_peer_fit(variant: str, tf_strategy, config: BenchmarkConfig, model_name: str, repeat: int,
+                        x, y) -> FitTiming:
+    """Keras 3 or tf-keras `fit` of the global arrays under `tf_strategy` (or none), timed."""
+    if variant == KERAS3_TF_DISTRIBUTE:
+        import keras as keras_module
+    else:
+        import tf_keras as keras_module
+
+    def build():
+        with tf_strategy.scope() if tf_strategy is not None else contextlib.nullcontext():
+            return build_keras_model(keras_module, config, model_name)
+
+    def fit(model, callbacks):
+        model.fit(x, y, batch_size=config.global_batch, epochs=1, shuffle=False, verbose=0,
+                  callbacks=callbacks)
+
+    return timed_keras_fit(keras_module, variant, model_name, repeat, config, build, fit)
+
+
+def local_rows(config: BenchmarkConfig, rows: int, workers: int, worker_index: int) -> np.ndarray:
+    """This worker's rows of every global batch, in step order (keras_mwms' split rule).
+
+    Example:
+
+    >>> from keras_mwms.benchmark.config import quick_config
+    >>> local_rows(quick_config(global_batch=4), 8, 2, 1).tolist()
+    [2, 3, 6, 7]
+    """
+    from keras_mwms.data import worker_row_indices
+
+    return np.concatenate(worker_row_indices(rows, config.global_batch, workers, worker_index))
+
+
+def jax_data_parallel_fit(strategy, config: BenchmarkConfig, model_name: str, repeat: int, x, y) -> FitTiming:
+    """Keras' own, unpatched `fit` under the `DataParallel` distribution, fed this worker's shard."""
+    import keras
+
+    from keras_mwms.backends import jax_patches
+
+    plain_fit = jax_patches._state["originals"].get("fit") or keras.Model.fit
+    rows = local_rows(config, len(x), strategy.num_workers, strategy.worker_index)
+
+    def build():
+        with strategy.scope():
+            return build_keras_model(keras, config, model_name)
+
+    def fit(model, callbacks):
+        plain_fit(model, x[rows], y[rows], batch_size=config.global_batch // strategy.num_workers,
+                  epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+
+    timing = timed_keras_fit(keras, JAX_DATA_PARALLEL, model_name, repeat, config, build, fit)
+    strategy.barrier(f"{JAX_DATA_PARALLEL} {model_name} {repeat} done")
+    return timing
+
+
+def torch_ddp_fit(strategy, config: BenchmarkConfig, model_name: str, repeat: int, x, y) -> FitTiming:
+    """A hand-written DDP training loop (Adam, cross-entropy) on the strategy's process group."""
+    import torch
+    from torch import nn
+
+    workers, rank = strategy.num_workers, strategy.worker_index
+    local_batch = config.global_batch // workers
+    per_step = x.reshape(config.steps, workers, local_batch, *x.shape[1:])[:, rank]
+    inputs = torch.from_numpy(np.ascontiguousarray(per_step))
+    if model_name == "conv":
+        inputs = inputs.permute(0, 1, 4, 2, 3).contiguous()
+    labels = torch.from_numpy(np.ascontiguousarray(
+        y.reshape(config.steps, workers, local_batch)[:, rank]))
+    step_ends: list[float] = []
+    setup_started = time.perf_counter()
+    torch.manual_seed(0)
+    model = build_torch_model(config, model_name)
+    network = nn.parallel.DistributedDataParallel(model) if workers > 1 else model
+    optimizer = torch.optim.Adam(model.parameters(), LEARNING_RATE)
+    loss_function = nn.CrossEntropyLoss()
+    loss = None
+    for step in range(config.steps):
+        optimizer.zero_grad()
+        loss = loss_function(network(inputs[step]), labels[step])
+        loss.backward()
+        optimizer.step()
+        step_ends.append(time.perf_counter())
+    float(loss.detach())
+    finished = time.perf_counter()
+    strategy.barrier(f"{TORCH_DDP_LOOP} {model_name} {repeat} done")
+    return FitTiming.from_times(TORCH_DDP_LOOP, model_name, repeat, step_ends, finished, setup_started,
+                                config.warmup_steps, config.global_batch)
