@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import keras
 
@@ -16,9 +18,11 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     Same constructor as Keras', so swapping the import is the whole migration. Every worker
     runs the same save decisions — the logs are global under keras_mwms, so `save_best_only`,
     `monitor` and `initial_value_threshold` agree everywhere and `self.best` is identical on
-    all workers — but only the chief touches the file system: non-chief workers write nothing
-    (no file, no temporary directory). The chief writes to a temporary file in the target
-    directory and renames it into place, so a crash never leaves a half-written checkpoint.
+    all workers — but only the chief's file survives: the chief writes to a temporary file in
+    the target directory and renames it into place, so a crash never leaves a half-written
+    checkpoint; the other workers run the same save into a private scratch directory that is
+    deleted at once (saving reads variables, which can be a collective), so nothing of theirs
+    appears next to the chief's file.
 
     Example:
 
@@ -45,19 +49,30 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         # Decided on every worker: it updates `self.best`, which must stay identical everywhere.
         if not self._should_save_model(epoch, batch, logs, filepath):
             return
-        if not coordination.is_chief():
-            return
         if os.path.isdir(filepath):
             raise OSError(
                 "Please specify a non-directory filepath for ModelCheckpoint. Filepath used is an "
                 f"existing directory: {filepath}"
             )
         coordination.sync_model_state(self.model)
-        suffix = ".weights.h5" if filepath.endswith(".weights.h5") else os.path.splitext(filepath)[1]
-        with io.atomic_path(filepath, suffix) as temporary:
-            if self.save_weights_only:
-                self.model.save_weights(temporary, overwrite=True)
-            else:
-                self.model.save(temporary, overwrite=True)
-        if self.verbose > 0:
-            print(f"\nEpoch {epoch + 1}: finished saving model to {filepath}", flush=True)
+        if coordination.is_chief():
+            suffix = ".weights.h5" if filepath.endswith(".weights.h5") else os.path.splitext(filepath)[1]
+            with io.atomic_path(filepath, suffix) as temporary:
+                self._write(temporary)
+            if self.verbose > 0:
+                print(f"\nEpoch {epoch + 1}: finished saving model to {filepath}", flush=True)
+            return
+        # Non-chief workers save too, into a private scratch directory that is deleted at once:
+        # reading a variable may be a collective on some backends (e.g. JAX arrays sharded
+        # across processes), so every worker must run the same save.
+        scratch = tempfile.mkdtemp(prefix="keras_mwms-checkpoint-")
+        try:
+            self._write(os.path.join(scratch, os.path.basename(filepath)))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def _write(self, path: str) -> None:
+        if self.save_weights_only:
+            self.model.save_weights(path, overwrite=True)
+        else:
+            self.model.save(path, overwrite=True)
