@@ -42,7 +42,7 @@ def build_parser(prog: str = "python -m keras_mwms.benchmark") -> argparse.Argum
     parser.add_argument("what", nargs="?", default="all", choices=sorted(SECTIONS),
                         help="which measurements (default all)")
     parser.add_argument("--quick", action="store_true",
-                        help="the short CI preset: 4 sizes, the MLP 256x2 only, 50 steps, one repeat")
+                        help="the short CI preset: 3 sizes, the MLP 256x2 only, 40 steps, one repeat")
     parser.add_argument("--out", default="build/benchmark", help="output folder (default build/benchmark)")
     parser.add_argument("--backends", type=lambda text: _names(text, BACKENDS, "backend"), default=None,
                         help="comma-separated subset of tensorflow,jax,torch (default all)")
@@ -52,8 +52,8 @@ def build_parser(prog: str = "python -m keras_mwms.benchmark") -> argparse.Argum
     parser.add_argument("--width", type=int, default=None, help="MLP hidden width (default 512; quick 256)")
     parser.add_argument("--depth", type=int, default=None, help="MLP hidden layers (default 3; quick 2)")
     parser.add_argument("--global-batch", type=int, default=None, help="examples per step (default 256)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per timed fit (default 300; quick 50)")
-    parser.add_argument("--warmup-steps", type=int, default=None, help="untimed first steps (default 20; quick 10)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per timed fit (default 200; quick 40)")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="untimed first steps (default 20; quick 8)")
     parser.add_argument("--repeats", type=int, default=None, help="fits per variant, best counts (default 2; quick 1)")
     parser.add_argument("--sizes", type=_sizes, default=None, help="all-reduce sizes in bytes, comma-separated")
     parser.add_argument("--timeout", type=float, default=None, dest="gang_timeout",

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, replace
 BACKENDS = ("tensorflow", "jax", "torch")
 KIB, MIB = 1024, 1024 * 1024
 FULL_SIZES = tuple(4 * KIB * 4**power for power in range(8))       # 4 KiB, 16 KiB, ..., 64 MiB
-QUICK_SIZES = (4 * KIB, 64 * KIB, 1 * MIB, 16 * MIB)
+QUICK_SIZES = (4 * KIB, 256 * KIB, 16 * MIB)
 LATENCY_BYTES = 4                                                  # one float32: pure latency
 
 
@@ -24,8 +24,8 @@ class BenchmarkConfig:
     Example:
 
     >>> config = quick_config(workers=2)
-    >>> config.workers, config.sizes[0], config.models
-    (2, 4096, ('mlp',))
+    >>> config.workers, config.sizes, config.models
+    (2, (4096, 262144, 16777216), ('mlp',))
     >>> BenchmarkConfig.from_json(config.to_json()) == config
     True
 
@@ -44,6 +44,9 @@ class BenchmarkConfig:
         steps: training steps per timed fit (one epoch).
         warmup_steps: first steps left out of steps/s (tracing, allocation).
         repeats: fits per variant, interleaved with the native peer; the best counts.
+        share_peers: with one process, also fit the native peers (not only keras_mwms) on one
+            worker's share of the global batch (their sync-overhead baseline); quick: the
+            first peer only.
         gang_timeout: seconds one gang of workers may run before it is killed.
     """
 
@@ -61,9 +64,10 @@ class BenchmarkConfig:
     classes: int = 10
     image_size: int = 16
     global_batch: int = 256
-    steps: int = 300
+    steps: int = 200
     warmup_steps: int = 20
     repeats: int = 2
+    share_peers: int = 2
     gang_timeout: float = 900.0
     quick: bool = False
 
@@ -90,15 +94,15 @@ class BenchmarkConfig:
 
 
 def full_config(**overrides) -> BenchmarkConfig:
-    """The full run: 8 sizes 4 KiB…64 MiB, MLP 512×3 and a small conv net, 300 steps, 2 repeats."""
+    """The full run: 8 sizes 4 KiB…64 MiB, MLP 512×3 and a small conv net, 200 steps, 2 repeats."""
     return replace(BenchmarkConfig(), **overrides)
 
 
 def quick_config(**overrides) -> BenchmarkConfig:
-    """The CI run (`make bench-quick`): 4 sizes, the MLP 256×2 only, 50 steps, one repeat."""
+    """The CI run (`make bench-quick`): 3 sizes, the MLP 256×2 only, 40 steps, one repeat."""
     quick = BenchmarkConfig(sizes=QUICK_SIZES, allreduce_bytes_per_size=64 * MIB, max_iterations=20,
-                            models=("mlp",), width=256, depth=2, steps=50, warmup_steps=10, repeats=1,
-                            gang_timeout=300.0, quick=True)
+                            models=("mlp",), width=256, depth=2, steps=40, warmup_steps=8, repeats=1,
+                            share_peers=1, gang_timeout=300.0, quick=True)
     return replace(quick, **overrides)
 
 

@@ -132,17 +132,22 @@ def write_plot(report: dict, out_dir: Path) -> Path:
     left.set_title(f"all-reduce, {report['config']['workers']} workers")
     left.legend()
 
-    fits = report["fits"]
-    fits = [row for row in fits if row["global_batch"] == report["config"]["global_batch"]]
+    fits = [row for row in report["fits"] if row["global_batch"] == report["config"]["global_batch"]]
     groups = sorted({(row["backend"], row["model"], row["workers"]) for row in fits})
     variants = sorted({row["variant"] for row in fits}, key=lambda name: (name != "keras_mwms", name))
-    width = 0.8 / max(1, len(variants))
-    for offset, variant in enumerate(variants):
-        values = [next((row["steps_per_second"] for row in fits
-                        if (row["backend"], row["model"], row["workers"]) == group and row["variant"] == variant), 0.0)
-                  for group in groups]
-        right.bar([position + offset * width for position in range(len(groups))], values, width, label=variant)
-    right.set_xticks([position + 0.4 - width / 2 for position in range(len(groups))])
+    colors = {variant: f"C{number}" for number, variant in enumerate(variants)}
+    width = 0.8 / max(1, max((sum(1 for row in fits if (row["backend"], row["model"], row["workers"]) == group)
+                              for group in groups), default=1))
+    labelled = set()
+    for position, group in enumerate(groups):
+        present = sorted((row for row in fits if (row["backend"], row["model"], row["workers"]) == group),
+                         key=lambda row: variants.index(row["variant"]))
+        for offset, row in enumerate(present):
+            x = position + (offset - (len(present) - 1) / 2) * width
+            label = None if row["variant"] in labelled else row["variant"]
+            labelled.add(row["variant"])
+            right.bar(x, row["steps_per_second"], width, color=colors[row["variant"]], label=label)
+    right.set_xticks(range(len(groups)))
     right.set_xticklabels([f"{backend}\n{model} x{workers}" for backend, model, workers in groups], fontsize=8)
     right.set_ylabel("steps/s (higher is better)")
     right.set_title(f"fit, global batch {report['config']['global_batch']}")

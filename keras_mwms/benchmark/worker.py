@@ -124,12 +124,13 @@ def run_keras_mwms_role(config: BenchmarkConfig, backend_name: str, result: dict
             for repeat in range(config.repeats):
                 arguments = (batch_config, model_name, repeat, x, y)
                 runs.add(keras_mwms_fit, strategy, *arguments)
+                peer_count = config.share_peers if batch_config is not config else len(peers.PEERS[backend_name])
                 if backend_name == "jax":
                     runs.add(peers.jax_data_parallel_fit, strategy, *arguments)
                 elif backend_name == "torch":
                     runs.add(peers.torch_ddp_fit, strategy, *arguments)
                 elif workers == 1:
-                    for variant in peers.PEERS["tensorflow"]:
+                    for variant in peers.PEERS["tensorflow"][:peer_count]:
                         runs.add(peers.tensorflow_peer_fit, variant, None, *arguments)
     result["fits"] = runs.fits
     if workers > 1:
