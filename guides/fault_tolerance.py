@@ -80,7 +80,8 @@ class CrashOnce(keras.callbacks.Callback):
 
 
 backup = keras_mwms.callbacks.BackupAndRestore(backup_dir, save_freq=3)
-model.fit(x, y, batch_size=32, epochs=3, callbacks=[backup, CrashOnce()], verbose=2)
+# shuffle=False: see "What to know" below about shuffling and exact resumption.
+model.fit(x, y, batch_size=32, epochs=3, shuffle=False, callbacks=[backup, CrashOnce()], verbose=2)
 np.savez(os.path.join(out_dir, f"weights_{strategy.worker_index}.npz"), *model.get_weights())
 '''
 
@@ -157,6 +158,11 @@ assert not os.path.exists(os.path.join(WORKDIR, "crashed_backup")), "deleted aft
 * **Preemption**: when an orchestrator sends `SIGTERM`, the launcher forwards it to every
   worker; the job stops and a restart resumes from the last backup. Choose `save_freq` for the
   amount of work you accept to redo.
+* **Shuffling.** Resumption is exact — bit for bit the uninterrupted run — when the data
+  order of an epoch does not depend on how many epochs this process has already run:
+  `shuffle=False`, or a dataset whose order you derive from the epoch. With `shuffle=True`
+  the restarted job resumes at the right epoch and step, but draws a new order for the rest
+  of training, so it ends close to, not equal to, the uninterrupted run.
 * The backup is deleted when `fit` completes (`delete_checkpoint=False` keeps it).
 """
 print(json.dumps({"max_weight_difference": difference}))
