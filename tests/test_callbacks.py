@@ -28,6 +28,7 @@ FAULTS = {
     "kill_epoch": ["--kill-at-step", "9", "--kill-worker", "1"],
     "kill_steps": ["--save-freq", "4", "--kill-at-step", "11", "--kill-worker", "1"],
     "kill_during_save": ["--kill-during-save", "2", "--double-checkpoint"],
+    "sigterm": ["--sigterm-at-step", "7", "--sigterm-worker", "1", "--preemption-check-steps", "4"],
 }
 
 
@@ -64,7 +65,7 @@ def test_run_succeeds_and_workers_agree(runs, fault):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["kill_epoch", "kill_steps", "kill_during_save"])
+@pytest.mark.parametrize("fault", ["kill_epoch", "kill_steps", "kill_during_save", "sigterm"])
 def test_restarted_run_ends_with_the_uninterrupted_weights(runs, fault):
     _, results = runs
     reference = load_weights(results["reference"][0], 0)
@@ -75,7 +76,7 @@ def test_restarted_run_ends_with_the_uninterrupted_weights(runs, fault):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault,resumed_epoch,resumed_step", [
-    ("kill_epoch", 1, 0), ("kill_steps", 1, 4), ("kill_during_save", 1, 0)])
+    ("kill_epoch", 1, 0), ("kill_steps", 1, 4), ("kill_during_save", 1, 0), ("sigterm", 1, 4)])
 def test_every_epoch_is_logged_once_and_resumes_at_the_saved_step(runs, fault, resumed_epoch, resumed_step):
     _, results = runs
     out, _, result = results[fault]
@@ -140,3 +141,14 @@ def test_corrupted_backup_falls_back_and_unwritable_dir_is_a_clear_error(backend
     results = dict(line.split()[1:3] for line in completed.stdout.splitlines() if line.startswith("RESULT"))
     assert results == {"fallback_first_epoch": "2", "fallback_warned": "True",
                        "corrupt_error": "True", "unwritable": "True"}, completed.stdout
+
+
+@pytest.mark.slow
+def test_sigterm_on_one_worker_backs_up_and_stops_every_worker(runs):
+    _, results = runs
+    _, _, result = results["sigterm"]
+    assert "failed with exit code 143" in result.launcher_log, result.launcher_log
+    for worker in (0, 1):
+        assert any("preempted (SIGTERM)" in line and "epoch 2, step 4" in line
+                   for line in result.output.splitlines() if line.startswith(f"[worker {worker}]")), \
+            result.output[-6000:]

@@ -8,8 +8,12 @@ callbacks = [keras_mwms.callbacks.BackupAndRestore("/tmp/backup"),
 ```
 """
 
-from keras_mwms.callbacks.backup_and_restore import BackupAndRestore, BackupAndRestoreError
+from keras_mwms.callbacks.backup_and_restore import (
+    BackupAndRestore,
+    BackupAndRestoreError,
+    TrainingPreempted,
+)
 from keras_mwms.callbacks.model_checkpoint import ModelCheckpoint
 from keras_mwms.callbacks.tensorboard import TensorBoard
 
-__all__ = ["BackupAndRestore", "BackupAndRestoreError", "ModelCheckpoint", "TensorBoard"]
+__all__ = ["BackupAndRestore", "BackupAndRestoreError", "ModelCheckpoint", "TensorBoard", "TrainingPreempted"]

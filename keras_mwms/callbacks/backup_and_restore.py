@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import threading
 import time
 import warnings
 
@@ -15,6 +18,13 @@ from keras_mwms.callbacks import coordination
 
 class BackupAndRestoreError(RuntimeError):
     """A backup exists but cannot be restored (corrupt, or from another model)."""
+
+
+PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
+
+
+class TrainingPreempted(SystemExit):
+    """Raised on every worker after a SIGTERM: the backup is saved; the process exits with 143."""
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -65,10 +75,18 @@ class BackupAndRestore(keras.callbacks.Callback):
         double_checkpoint: keep the previous backup too, and fall back to it when the latest
             one cannot be read. Defaults to `False`.
         delete_checkpoint: delete the backup when `fit` completes. Defaults to `True`.
+        preemption_check_steps: how often (in steps, and at every epoch end) the workers agree
+            whether any of them received SIGTERM. When one did, every worker backs up at that
+            step and exits with code 143 (`TrainingPreempted`), so a restart resumes there.
+            One tiny all-reduce per check; `None` disables preemption handling. Defaults to 10.
+
+    Preemption: schedulers announce a preemption with SIGTERM (Kubernetes, Slurm, spot VMs,
+    `python -m keras_mwms.launch` forwarding Ctrl-C/SIGTERM). During `fit` this callback turns
+    it into a backup at the next check and a clean, non-zero exit of every worker.
     """
 
     def __init__(self, backup_dir: str, save_freq="epoch", double_checkpoint: bool = False,
-                 delete_checkpoint: bool = True):
+                 delete_checkpoint: bool = True, preemption_check_steps: int | None = 10):
         super().__init__()
         if not backup_dir:
             raise ValueError("Empty `backup_dir` argument passed. Give the directory for backups.")
@@ -82,12 +100,24 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.save_freq = save_freq
         self.double_checkpoint = double_checkpoint
         self.delete_checkpoint = delete_checkpoint
+        if preemption_check_steps is not None and (
+                isinstance(preemption_check_steps, bool) or not isinstance(preemption_check_steps, int)
+                or preemption_check_steps < 1):
+            raise ValueError(f"preemption_check_steps must be a positive int or None, got "
+                             f"{preemption_check_steps!r}")
+        self.preemption_check_steps = preemption_check_steps
         self._epoch = 0
         self._steps_since_save = 0
         self._restored_from: dict | None = None
+        self._sigterm_received = False
+        self._previous_sigterm_handler = None
 
     # -- restoring ------------------------------------------------------------------------
     def on_train_begin(self, logs=None):
+        self._restore()
+        self._watch_for_preemption()
+
+    def _restore(self) -> None:
         if not self.model.built:
             raise ValueError(
                 "To use the BackupAndRestore callback, your model must be built before you call "
@@ -162,25 +192,69 @@ class BackupAndRestore(keras.callbacks.Callback):
         for variable, value in zip(variables, arrays):
             variable.assign(value)
 
+    # -- preemption -----------------------------------------------------------------------
+    def _watch_for_preemption(self) -> None:
+        if self.preemption_check_steps is None or threading.current_thread() is not threading.main_thread():
+            return
+        self._sigterm_received = False
+        self._previous_sigterm_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        del signum, frame
+        self._sigterm_received = True
+        print(f"BackupAndRestore: worker {coordination.worker_index()} received SIGTERM; the job "
+              "backs up at the next check and stops", file=sys.stderr, flush=True)
+
+    def _stop_watching(self) -> None:
+        if self._previous_sigterm_handler is not None:
+            signal.signal(signal.SIGTERM, self._previous_sigterm_handler)
+            self._previous_sigterm_handler = None
+
+    def _stop_if_preempted(self, epoch: int, step: int, already_saved: bool) -> None:
+        """Every worker calls this at the same points; all stop together if any got SIGTERM."""
+        if not coordination.any_worker(self._sigterm_received):
+            return
+        if not already_saved:
+            self._save(epoch, step)
+        self._stop_watching()
+        message = (f"BackupAndRestore: preempted (SIGTERM) — backed up to {self.backup_dir} at "
+                   f"epoch {epoch + 1}, step {step}; exiting with code {PREEMPTED_EXIT_CODE}. "
+                   "Restart the job to resume from there.")
+        print(message, file=sys.stderr, flush=True)
+        raise TrainingPreempted(PREEMPTED_EXIT_CODE)
+
     # -- saving ---------------------------------------------------------------------------
     def on_epoch_end(self, epoch, logs=None):
         self._epoch = epoch + 1
         self._steps_since_save = 0
         # Integer save_freq backs up at epoch boundaries too, so a finished epoch is never
         # trained again after a restart (Keras' own callback only saves every N steps).
-        if self.save_freq is not False:
+        saved = self.save_freq is not False
+        if saved:
             self._save(epoch + 1, 0)
+        if self.preemption_check_steps is not None:
+            self._stop_if_preempted(epoch + 1, 0, already_saved=saved)
 
     def on_train_batch_end(self, batch, logs=None):
+        saved = self._save_on_batch(batch)
+        if self.preemption_check_steps is not None and (batch + 1) % self.preemption_check_steps == 0:
+            steps = self.params.get("steps") if self.params else None
+            if not steps or batch + 1 < steps:  # the epoch end checks the last step
+                self._stop_if_preempted(self._epoch, batch + 1, already_saved=saved)
+
+    def _save_on_batch(self, batch) -> bool:
+        """Backs up every `save_freq` steps; True if it did."""
         if not isinstance(self.save_freq, int) or self.save_freq is False:
-            return
+            return False
         self._steps_since_save += 1
         if self._steps_since_save < self.save_freq:
-            return
+            return False
         self._steps_since_save = 0
         steps = self.params.get("steps") if self.params else None
-        if not steps or batch + 1 < steps:  # the epoch-end backup covers the last step
-            self._save(self._epoch, batch + 1)
+        if steps and batch + 1 >= steps:  # the epoch-end backup covers the last step
+            return False
+        self._save(self._epoch, batch + 1)
+        return True
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -215,6 +289,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             ) from error
 
     def on_train_end(self, logs=None):
+        self._stop_watching()
         if not self.delete_checkpoint:
             return
         # Deleted once, by the chief, after every worker finished training.

@@ -30,6 +30,31 @@ def num_workers() -> int:
     return 1 if strategy is None else strategy.num_workers
 
 
+def worker_index() -> int:
+    """This worker's rank (0 without a strategy)."""
+    strategy = get_strategy()
+    return 0 if strategy is None else strategy.worker_index
+
+
+def any_worker(flag: bool) -> bool:
+    """True on every worker if `flag` is true on at least one (one tiny all-reduce).
+
+    Example:
+
+    >>> any_worker(False)
+    False
+    """
+    strategy = get_strategy()
+    if strategy is None or strategy.num_workers == 1:
+        return bool(flag)
+    import keras
+    import numpy as np
+
+    value = np.asarray([1.0 if flag else 0.0], dtype="float32")
+    total = strategy.reduce("SUM", strategy.run(lambda: keras.ops.convert_to_tensor(value)), axis=None)
+    return float(keras.ops.convert_to_numpy(total).sum()) > 0
+
+
 def barrier(name: str) -> None:
     """Waits for every worker (bounded by the collective timeout); no-op on one worker."""
     strategy = get_strategy()

@@ -4,7 +4,9 @@ Run through the launcher (`--max-restarts`) so a killed gang is restarted and re
 the backup. Faults happen only on the first attempt (`KERAS_MWMS_ATTEMPT == 0`):
 
 * `--kill-at-step K --kill-worker W`: worker W SIGKILLs itself after global training step K;
-* `--kill-during-save N`: the chief dies (SIGKILL) half-way through writing its N-th backup.
+* `--kill-during-save N`: the chief dies (SIGKILL) half-way through writing its N-th backup;
+* `--sigterm-at-step K --sigterm-worker W`: worker W receives SIGTERM (a preemption) after
+  global step K; every worker must back up at the next check and exit with code 143.
 
 Every worker appends the epochs it completes to `<out>/epochs.w<index>.jsonl`; at the end it
 saves its final weights (`w<index>.npz`) and History (`w<index>.json`). ModelCheckpoint and
@@ -30,6 +32,9 @@ parser.add_argument("--kill-at-step", type=int, default=-1)
 parser.add_argument("--kill-worker", type=int, default=1)
 parser.add_argument("--kill-during-save", type=int, default=-1)
 parser.add_argument("--double-checkpoint", action="store_true")
+parser.add_argument("--sigterm-at-step", type=int, default=-1)
+parser.add_argument("--sigterm-worker", type=int, default=1)
+parser.add_argument("--preemption-check-steps", type=int, default=10)
 parser.add_argument("--checkpoints", action="store_true", help="add ModelCheckpoint + TensorBoard")
 arguments = parser.parse_args()
 
@@ -77,6 +82,9 @@ class Faults(keras.callbacks.Callback):
         if first_attempt and self.steps == arguments.kill_at_step and index == arguments.kill_worker:
             common.log(f"fault injection: SIGKILL after step {self.steps}")
             die()
+        if first_attempt and self.steps == arguments.sigterm_at_step and index == arguments.sigterm_worker:
+            common.log(f"fault injection: SIGTERM after step {self.steps}")
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 class EpochLog(keras.callbacks.Callback):
@@ -95,7 +103,8 @@ with strategy.scope():
 
 save_freq = arguments.save_freq if arguments.save_freq == "epoch" else int(arguments.save_freq)
 callbacks = [keras_mwms.callbacks.BackupAndRestore(arguments.backup, save_freq=save_freq,
-                                                   double_checkpoint=arguments.double_checkpoint),
+                                                   double_checkpoint=arguments.double_checkpoint,
+                                                   preemption_check_steps=arguments.preemption_check_steps),
              Faults(), EpochLog()]
 if arguments.checkpoints:
     callbacks += [
