@@ -155,9 +155,10 @@ assert not os.path.exists(os.path.join(WORKDIR, "crashed_backup")), "deleted aft
   machine. A shared file system is fine but not needed.
 * **Another number of workers** can resume a backup: the weights are mirrored, and the
   position in the data is counted in global batches.
-* **Preemption**: when an orchestrator sends `SIGTERM`, the launcher forwards it to every
-  worker; the job stops and a restart resumes from the last backup. Choose `save_freq` for the
-  amount of work you accept to redo.
+* **Preemption**: when a scheduler sends `SIGTERM` to any worker (or the launcher forwards
+  one), the workers agree at the next check (every `preemption_check_steps=10` steps and at
+  each epoch end), back up at that step, and all exit with code 143; a restart resumes there.
+  Between checks, `save_freq` bounds the work redone after a hard crash.
 * **Shuffling.** Resumption is exact — bit for bit the uninterrupted run — when the data
   order of an epoch does not depend on how many epochs this process has already run:
   `shuffle=False`, or a dataset whose order you derive from the epoch. With `shuffle=True`
