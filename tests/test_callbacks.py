@@ -106,14 +106,19 @@ def test_model_checkpoint_best_only_is_written_by_the_chief_alone(runs):
     assert (out / "tb_w0" / "train").is_dir()
 
 
+def single_process_results(script: str, backend: str) -> list[list[str]]:
+    """Runs a single-process worker script (no TF_CONFIG); returns its `RESULT ...` lines, split."""
+    env = {key: value for key, value in os.environ.items() if key != "TF_CONFIG"}
+    completed = subprocess.run([sys.executable, str(WORKERS_DIR / script)], cwd=REPO,
+                               capture_output=True, text=True, timeout=300,
+                               env={**env, **worker_env(backend)})
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return [line.split()[1:] for line in completed.stdout.splitlines() if line.startswith("RESULT")]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_keras_docstring_interrupt_and_resume_example(backend):
-    completed = subprocess.run(
-        [sys.executable, str(WORKERS_DIR / "callbacks_single.py")], cwd=REPO, capture_output=True,
-        text=True, timeout=300, env={**os.environ, **worker_env(backend)})
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    line = next(line for line in completed.stdout.splitlines() if line.startswith("RESULT"))
-    assert line.split()[1:] == ["6", "6"]
+    assert single_process_results("callbacks_single.py", backend)[0] == ["6", "6"]
 
 
 def test_backup_write_is_atomic_and_keeps_the_previous_one(tmp_path):
@@ -134,13 +139,10 @@ def test_backup_write_is_atomic_and_keeps_the_previous_one(tmp_path):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_corrupted_backup_falls_back_and_unwritable_dir_is_a_clear_error(backend):
-    completed = subprocess.run(
-        [sys.executable, str(WORKERS_DIR / "backup_corruption.py")], cwd=REPO, capture_output=True,
-        text=True, timeout=300, env={**os.environ, **worker_env(backend)})
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    results = dict(line.split()[1:3] for line in completed.stdout.splitlines() if line.startswith("RESULT"))
+    lines = single_process_results("backup_corruption.py", backend)
+    results = dict(line[:2] for line in lines)
     assert results == {"fallback_first_epoch": "2", "fallback_warned": "True",
-                       "corrupt_error": "True", "unwritable": "True"}, completed.stdout
+                       "corrupt_error": "True", "unwritable": "True"}, lines
 
 
 @pytest.mark.slow
