@@ -17,7 +17,9 @@ backend binds anything, keras_mwms runs this small, bounded handshake over plain
 * When a worker has exchanged hellos with every peer in both directions it tells the chief
   it is *ready*; the chief answers every ready worker with *go* once all are ready, or with
   the abort reason if anything failed anywhere. So either every worker starts its backend or
-  none does (a duplicate worker that one peer saw late still stops the whole gang).
+  none does (a duplicate worker that one peer saw late still stops the whole gang). A
+  duplicate that arrives only after the verdict fails alone, naming the worker it collides
+  with; the gang it missed carries on.
 * Then each worker closes its listener: the port is free again for the backend (the
   connecting side always closes first, so `TIME_WAIT` never sits on a listening port).
 * A deadline bounds everything: on expiry each worker raises `RendezvousError` naming the
@@ -76,10 +78,13 @@ class _State:
     errors: list = field(default_factory=list)
     abort_told: set = field(default_factory=set)
     ready: dict = field(default_factory=dict)
+    # Set once the chief's verdict is "go": from then on this worker starts its backend whatever
+    # a late visitor (a duplicate started after the gang met) says, so it records no failure.
+    decided: bool = False
 
     def fail(self, message: str) -> None:
         with self.lock:
-            if message not in self.errors:
+            if not self.decided and message not in self.errors:
                 self.errors.append(message)
 
     @property
@@ -260,6 +265,7 @@ class Rendezvous:
             self._state.ready.clear()
             verdict = ({"kind": "abort", "reason": self._state.errors[0]} if self._state.errors
                        else {"kind": "go"})
+            self._state.decided = verdict["kind"] == "go" and len(held) == len(self.peers) - 1
         for connection in held:
             try:
                 _send_line(connection, {"protocol": PROTOCOL, **verdict})
@@ -294,6 +300,9 @@ class Rendezvous:
                             verdict = json.loads(buffer.split(b"\n", 1)[0])
                             if verdict.get("kind") != "go":
                                 self._state.fail(str(verdict.get("reason", "the chief aborted")))
+                            else:
+                                with self._state.lock:
+                                    self._state.decided = True
                             return
                     break
             except OSError:

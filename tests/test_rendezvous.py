@@ -99,8 +99,11 @@ def test_version_mismatch_fails_fast_naming_the_worker_and_field():
 
 
 def test_duplicate_index_fails_fast():
+    # Both processes claiming worker:1 are up before the chief (which starts 1.5 s late), so
+    # the duplicate is seen before any verdict and the whole gang must stop.
     cluster = addresses(2)
-    results = collect(start_workers([cluster] * 3, [0, 1, 1], timeout=30), 60)
+    results = collect(start_workers([cluster] * 3, [0, 1, 1], {0: {"RDV_START_DELAY": "1.5"}},
+                                    timeout=30), 60)
     codes = [code for code, _, _ in results]
     assert codes == [1, 1, 1], results
     assert any("already in use" in output for _, _, output in results)
