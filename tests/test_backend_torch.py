@@ -44,9 +44,9 @@ def _gang(script: str, workers: int, out: str, *args: str):
     return result
 
 
-TWO_WORKER_SCENARIOS = ("sgd_arrays", "tfdata_adam", "dropout", "surface")
+TWO_WORKER_SCENARIOS = ("sgd_arrays", "tfdata_adam", "dropout", "jit", "surface")
 THREE_WORKER_SCENARIOS = ("dataloader_bn", "pydataset_adam")
-REFERENCE_SCENARIOS = ("sgd_arrays", "tfdata_adam", "dataloader_bn", "pydataset_adam")
+REFERENCE_SCENARIOS = ("sgd_arrays", "tfdata_adam", "dataloader_bn", "pydataset_adam", "jit_eager")
 
 
 class Scenario:
@@ -216,13 +216,16 @@ def test_dropout_workers_bit_identical(dropout):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("KERAS_MWMS_TORCH_JIT_TEST") != "1",
-                    reason="torch.compile of Keras' train step takes minutes on a loaded 2-core "
-                           "box; set KERAS_MWMS_TORCH_JIT_TEST=1 to run")
-def test_jit_compile_workers_bit_identical(tmp_path):
-    _gang("torch_scenario.py", 2, str(tmp_path), "jit")
-    scenario = Scenario(str(tmp_path), str(tmp_path), "jit", 2)
+def test_jit_compile_workers_bit_identical_and_equal_to_eager_one_process(two_workers_dir,
+                                                                          reference_dir):
+    """`compile(jit_compile=True)`: torch.compile'd steps, collectives left outside the graph."""
+    scenario = Scenario(two_workers_dir, reference_dir, "jit", 2)
     _assert_bit_identical(scenario)
+    eager = common.load_weights(os.path.join(reference_dir, "jit_eager"), 0)
+    delta = common.max_weight_difference(scenario.weights(0), eager)
+    print(f"max|Δw| jit_compile gang vs eager one process: {delta:.3g}")
+    assert delta <= SGD_TOLERANCE
+    assert scenario.result(0)["history"] == scenario.result(1)["history"]
 
 
 @pytest.mark.slow

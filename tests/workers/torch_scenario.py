@@ -57,6 +57,8 @@ SCENARIOS = {
                         unsynchronized=True),
     "dropout": dict(data="arrays", shuffle=True, dropout=0.3),
     "jit": dict(data="arrays", jit=True, epochs=1),
+    # The eager twin of "jit": the one-process reference the compiled gang must match.
+    "jit_eager": dict(data="arrays", jit=False, epochs=1),
     "dataloader_bn": dict(data="dataloader", shuffle=True, batch_norm=True, batch_size=48,
                           classification=True),
     "pydataset_adam": dict(data="pydataset", optimizer="adam", batch_size=40, rows=280),
