@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.keras_mwms-installed
-PYTEST_ARGS ?=
+# The slowest cases are listed at the end of every run, so CI logs show where the time goes.
+PYTEST_ARGS ?= --durations=25
 
 .PHONY: install test lint demo guides bench-quick clean
 
