@@ -6,6 +6,10 @@ Definitions (also printed under the tables):
   every worker runs at the same rate); examples/s = steps/s × global batch.
 * ratio = keras_mwms steps/s ÷ the native peer's steps/s, same backend, model, worker count and
   global batch; ≥ 1.0 means keras_mwms is at least as fast.
+* one-process ratio: the same ratio with one process on the same global batch — what the
+  frameworks cost per step before any distribution (on torch, Keras' trainer vs a bare loop).
+  distribution ratio = ratio ÷ one-process ratio: how keras_mwms' distribution compares with
+  the peer's once that single-process difference is divided out (≥ 1.0: ours costs no more).
 * threads: every process, also the single one, gets cores ÷ N threads — the compute of one of
   the N workers — so one process vs N workers is a scaling comparison at equal per-process
   resources (oversubscribed or contended cores distort multi-threaded runs badly on a shared box).
@@ -108,6 +112,11 @@ def ratio_rows(fits: Sequence[dict]) -> list[dict]:
     ...          "first_step_seconds": 0.1}]
     >>> [(row["peer"], row["ratio"]) for row in ratio_rows(fits)]
     [('torch DDP loop', 0.75)]
+    >>> one = [dict(row, workers=1, steps_per_second=row["steps_per_second"] * 2) for row in fits]
+    >>> one[1]["steps_per_second"] = 100.0
+    >>> row = [row for row in ratio_rows(fits + one) if row["workers"] == 2][0]
+    >>> row["one_process_ratio"], row["distribution_ratio"]
+    (0.6, 1.25)
     """
     index = _index(fits)
     rows = []
@@ -118,11 +127,18 @@ def ratio_rows(fits: Sequence[dict]) -> list[dict]:
             theirs = index.get((backend, model, workers, peer, batch))
             if theirs is None:
                 continue
+            ours_one = index.get((backend, model, 1, variant, batch))
+            theirs_one = index.get((backend, model, 1, peer, batch))
+            one_process_ratio = (ours_one["steps_per_second"] / theirs_one["steps_per_second"]
+                                 if workers > 1 and ours_one and theirs_one else None)
+            ratio = ours["steps_per_second"] / theirs["steps_per_second"]
             rows.append({
                 "backend": backend, "model": model, "workers": workers, "global_batch": batch, "peer": peer,
                 "keras_mwms_steps_per_second": ours["steps_per_second"],
                 "peer_steps_per_second": theirs["steps_per_second"],
-                "ratio": ours["steps_per_second"] / theirs["steps_per_second"],
+                "ratio": ratio,
+                "one_process_ratio": one_process_ratio,
+                "distribution_ratio": ratio / one_process_ratio if one_process_ratio else None,
                 "keras_mwms_startup_seconds": ours.get("startup_seconds"),
                 "peer_startup_seconds": theirs.get("startup_seconds"),
                 "keras_mwms_first_step_seconds": ours.get("first_step_seconds"),

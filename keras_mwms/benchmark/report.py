@@ -83,12 +83,18 @@ def fits_text(rows: Sequence[dict], global_batch: int) -> str:
 
 def ratios_text(rows: Sequence[dict]) -> str:
     headers = ["backend", "model", "workers", "batch", "native peer", "keras_mwms steps/s", "peer steps/s",
-               "ratio", "start-up ours s", "start-up peer s"]
+               "ratio", "1-process ratio", "distribution ratio", "start-up ours s", "start-up peer s"]
+
+    def times(value):
+        return None if value is None else f"{value:.2f}x"
+
     body = [[row["backend"], row["model"], row["workers"], row["global_batch"], row["peer"],
              row["keras_mwms_steps_per_second"],
-             row["peer_steps_per_second"], f"{row['ratio']:.2f}x", row["keras_mwms_startup_seconds"],
+             row["peer_steps_per_second"], times(row["ratio"]), times(row.get("one_process_ratio")),
+             times(row.get("distribution_ratio")), row["keras_mwms_startup_seconds"],
              row["peer_startup_seconds"]] for row in rows]
-    return "ratio keras_mwms / native (>= 1.00x: at least as fast):\n" + format_table(headers, body)
+    return ("ratio keras_mwms / native (>= 1.00x: at least as fast; distribution ratio = ratio / "
+            "1-process ratio on the same global batch):\n" + format_table(headers, body))
 
 
 def overhead_text(rows: Sequence[dict]) -> str:
