@@ -203,6 +203,40 @@ class GlobalArrayPlacer:
         return tree.map_structure(place_leaf, batch, none_is_leaf=True)
 
 
+class LocalRowsPlacer:
+    """The flat path's placement: this worker's contiguous rows of each global batch, as numpy.
+
+    Rows follow `keras_mwms.data.replica_slices` (the first workers get one row more when the
+    batch does not divide), so a worker may get no row of a tiny last batch; the flat step
+    handles that.
+
+    Example:
+
+    >>> placer = LocalRowsPlacer(num_workers=3, worker_index=1)
+    >>> placer.place((np.arange(7), None, None))[0].tolist()
+    [3, 4]
+    """
+
+    def __init__(self, num_workers: int, worker_index: int):
+        self._num_workers = num_workers
+        self._worker_index = worker_index
+
+    def place(self, batch: Any) -> Any:
+        from keras.src import tree
+
+        from keras_mwms.data import replica_slices
+
+        leaves = [leaf for leaf in tree.flatten(batch) if leaf is not None]
+        rows = int(np.shape(leaves[0])[0]) if leaves else 0
+        first, last = replica_slices(rows, self._num_workers)[self._worker_index] if rows else (0, 0)
+        return tree.map_structure(lambda leaf: None if leaf is None else np.asarray(leaf)[first:last],
+                                  batch, none_is_leaf=True)
+
+    @staticmethod
+    def place_local_part(batch: Any) -> Any:
+        return batch
+
+
 class LocalPartSource(GlobalBatchSource):
     """This worker's parts of every step from a `DistributedDataset` (already sharded)."""
 

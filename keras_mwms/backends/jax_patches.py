@@ -14,6 +14,12 @@ JAX backend is active and otherwise calls the original Keras code unchanged.
 * `predict-gathers-outputs` — `predict` fails with "Fetching value for jax.Array that spans
   non-addressable devices"; we all-gather each batch's outputs, in order, to every worker.
 * `chief-progress-bar` — only the chief prints progress; the logs stay global everywhere.
+* `flat-train-step` — on the flat path (`jax_flat`) `make_train_function` builds the split step
+  (local gradients → one flat all-reduce → apply); `make_test_function` skips an empty share;
+  new variables take the chief's value (`JaxVariable._initialize`) and the whole state is
+  broadcast in one collective at the start of every fit.
+* `global-metrics` — on the flat path `_get_metrics_result_or_logs` computes results from the
+  all-worker metric state (end of every epoch and of `evaluate`).
 * `worker-lost` — a gloo failure caused by a dead peer becomes `WorkerLostError` naming it.
 """
 
@@ -24,9 +30,12 @@ from typing import Any
 
 import numpy as np
 
+from keras_mwms.backends import jax_flat
 from keras_mwms.backends.base import require_tested_keras
 
 _state: dict[str, Any] = {"backend": None, "originals": {}}
+_TRAINER_METHODS = ("fit", "evaluate", "predict", "make_predict_function", "make_train_function",
+                    "make_test_function", "_get_metrics_result_or_logs")
 
 
 def active_backend():
@@ -36,25 +45,32 @@ def active_backend():
 
 def install(backend) -> None:
     """Applies every patch (idempotent) and makes `backend` the one the patches serve."""
-    require_tested_keras("jax: broadcast-initial-values, global-batches, predict-gathers-outputs")
+    require_tested_keras("jax: broadcast-initial-values, global-batches, predict-gathers-outputs, "
+                         "flat-train-step, global-metrics")
     _state["backend"] = backend
     if _state["originals"]:
         return
+    from keras.src.backend.jax import core as jax_core
     from keras.src.backend.jax import distribution_lib as jax_distribution_lib
     from keras.src.backend.jax import trainer as jax_trainer
 
     originals = _state["originals"]
     originals["distribute_tensor"] = jax_distribution_lib.distribute_tensor
     originals["_distribute_data"] = jax_trainer._distribute_data
-    for name in ("fit", "evaluate", "predict", "make_predict_function"):
+    originals["variable_initialize"] = jax_core.JaxVariable._initialize
+    for name in _TRAINER_METHODS:
         originals[name] = getattr(jax_trainer.JAXTrainer, name)
 
     jax_distribution_lib.distribute_tensor = _distribute_tensor
     jax_trainer._distribute_data = _distribute_data
+    jax_core.JaxVariable._initialize = _variable_initialize
     jax_trainer.JAXTrainer.fit = functools.wraps(originals["fit"])(_fit)
     jax_trainer.JAXTrainer.evaluate = functools.wraps(originals["evaluate"])(_evaluate)
     jax_trainer.JAXTrainer.predict = functools.wraps(originals["predict"])(_predict)
     jax_trainer.JAXTrainer.make_predict_function = _make_predict_function
+    jax_trainer.JAXTrainer.make_train_function = _make_train_function
+    jax_trainer.JAXTrainer.make_test_function = _make_test_function
+    jax_trainer.JAXTrainer._get_metrics_result_or_logs = _get_metrics_result_or_logs
 
 
 def uninstall(backend) -> None:
@@ -65,13 +81,19 @@ def uninstall(backend) -> None:
     originals = _state["originals"]
     if not originals:
         return
+    from keras.src.backend.jax import core as jax_core
     from keras.src.backend.jax import distribution_lib as jax_distribution_lib
     from keras.src.backend.jax import trainer as jax_trainer
 
     jax_distribution_lib.distribute_tensor = originals.pop("distribute_tensor")
     jax_trainer._distribute_data = originals.pop("_distribute_data")
-    for name in ("fit", "evaluate", "predict", "make_predict_function"):
-        setattr(jax_trainer.JAXTrainer, name, originals.pop(name))
+    jax_core.JaxVariable._initialize = originals.pop("variable_initialize")
+    for name in _TRAINER_METHODS:
+        original = originals.pop(name)
+        if name == "_get_metrics_result_or_logs":
+            delattr(jax_trainer.JAXTrainer, name)  # inherited from the base Trainer
+        else:
+            setattr(jax_trainer.JAXTrainer, name, original)
 
 
 # -- broadcast-initial-values -------------------------------------------------------------
@@ -108,7 +130,7 @@ def _distribute_data(data, layouts=None):
 
 
 def _adapter_for(backend, x, y=None, sample_weight=None, batch_size=None, steps=None,
-                 shuffle=False, class_weight=None):
+                 shuffle=False, class_weight=None, placer=None):
     from keras.src.trainers.data_adapters.data_adapter import DataAdapter
 
     from keras_mwms.backends import jax_data
@@ -120,7 +142,7 @@ def _adapter_for(backend, x, y=None, sample_weight=None, batch_size=None, steps=
     else:
         seed = backend.agreed_seed() if shuffle else 0
         source = jax_data.make_source(x, y, sample_weight, batch_size, steps, shuffle, class_weight, seed)
-    return jax_data.make_global_batch_adapter(source, _placer(backend))
+    return jax_data.make_global_batch_adapter(source, placer or _placer(backend))
 
 
 class _IdentityPlacer:
@@ -133,13 +155,140 @@ class _IdentityPlacer:
     place_local_part = place
 
 
-def _placer(backend):
-    from keras_mwms.backends.jax_data import GlobalArrayPlacer
+def _placer(backend, path=None):
+    """How a global batch reaches the step: global arrays (DataParallel), this worker's rows
+    (flat), or untouched (one device; also the flat `predict`, which computes every row)."""
+    from keras_mwms.backends import jax_data
 
-    if backend.mesh is None:
+    if backend.mesh is None or path == "full":
         return _IdentityPlacer()
-    return GlobalArrayPlacer(backend.mesh, backend.distribution.batch_dim_name,
-                             backend.num_workers, backend.worker_index)
+    if path == jax_flat.FLAT:
+        return jax_data.LocalRowsPlacer(backend.num_workers, backend.worker_index)
+    return jax_data.GlobalArrayPlacer(backend.mesh, backend.distribution.batch_dim_name,
+                                      backend.num_workers, backend.worker_index)
+
+
+# -- path choice (flat vs DataParallel) ---------------------------------------------------
+def path_for(backend, model) -> str:
+    """The path `model` trains on, decided once per model (see `jax_flat.requested_path`).
+
+    A model may be pinned before its first fit with `model._keras_mwms_jax_path = "dataparallel"`
+    (the benchmark does that to time both paths side by side).
+    """
+    if backend is None or backend.path != jax_flat.FLAT:
+        return backend.path if backend is not None else "single"
+    chosen = getattr(model, "_keras_mwms_jax_path", None)
+    if chosen is None:
+        reason = jax_flat.can_run_flat(model)
+        if reason is None:
+            chosen = jax_flat.FLAT
+        elif reason.startswith("it overrides") or jax_flat.requested_path() != jax_flat.FLAT:
+            chosen = jax_flat.DATA_PARALLEL
+        else:
+            jax_flat.warn_flat_batch_norm(model)
+            chosen = jax_flat.FLAT
+        object.__setattr__(model, "_keras_mwms_jax_path", chosen)
+    return chosen
+
+
+def _on_flat_path(model) -> bool:
+    backend = active_backend()
+    return backend is not None and backend.num_workers > 1 and path_for(backend, model) == jax_flat.FLAT
+
+
+def _model_context(backend, model, path):
+    """For a DataParallel model while the cluster runs the flat path: its variables become global
+    replicated arrays (no communication: they are identical everywhere) and the DataParallel
+    distribution is entered for the call."""
+    import contextlib
+
+    if backend.path != jax_flat.FLAT or path != jax_flat.DATA_PARALLEL:
+        return contextlib.nullcontext()
+    _make_variables_global(backend, model)
+    return backend.distribution.scope()
+
+
+def _make_variables_global(backend, model) -> None:
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    replicated = NamedSharding(backend.mesh, PartitionSpec())
+    device = jax.local_devices()[0]
+    for variable in jax_flat.model_state_variables(model):
+        value = variable._value
+        if isinstance(value, jax.Array) and isinstance(value.sharding, NamedSharding):
+            continue
+        local = jax.device_put(value, device)
+        variable._value = jax.make_array_from_single_device_arrays(local.shape, replicated, [local])
+
+
+def _variable_initialize(self, value):
+    """Patch `broadcast-initial-values` on the flat path: a new variable takes the chief's value."""
+    _state["originals"]["variable_initialize"](self, value)
+    backend = active_backend()
+    if backend is None or backend.path != jax_flat.FLAT or self._layout is not None:
+        return
+    import jax
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+    from keras.src.utils import jax_utils
+
+    current = self._value
+    if not isinstance(current, jax.Array) or in_stateless_scope() or jax_utils.is_in_jax_tracing_scope(current):
+        return
+    self._value = jax.numpy.asarray(backend.broadcast_array(np.asarray(current)))
+
+
+def _sync_flat_state(backend, model) -> None:
+    """One broadcast of every model and optimizer variable, once per fit (and before a first
+    evaluate/predict): values set on one worker only (set_weights, load_weights) cannot drift."""
+    if getattr(model, "_keras_mwms_flat_synced", False):
+        return
+    variables = jax_flat.model_state_variables(model)
+    values = backend.broadcast_arrays([np.asarray(variable.value) for variable in variables])
+    for variable, value in zip(variables, values):
+        variable.assign(value)
+    object.__setattr__(model, "_keras_mwms_flat_synced", True)
+
+
+def _make_train_function(self, force=False):
+    """Patch `flat-train-step`: Keras' jitted step split around one flat gradient all-reduce."""
+    if not _on_flat_path(self):
+        return _state["originals"]["make_train_function"](self, force)
+    backend = active_backend()
+    _sync_flat_state(backend, self)
+    if self.train_function is not None and not force:
+        return
+    step = jax_flat.make_flat_train_step(
+        self, backend.collectives, lambda call: _reporting_lost_workers(backend, "gradient all-reduce", call))
+    self.train_function = self._make_function(step)
+
+
+def _make_test_function(self, force=False):
+    """On the flat path: each worker evaluates its rows; an empty share leaves the state alone."""
+    if not _on_flat_path(self):
+        return _state["originals"]["make_test_function"](self, force)
+    _sync_flat_state(active_backend(), self)
+    if self.test_function is not None and not force:
+        return
+    import jax
+
+    test_step = self.test_step
+    if not self.run_eagerly and self.jit_compile:
+        test_step = jax.jit(self.test_step, donate_argnums=0)
+    self.test_function = self._make_function(jax_flat.skip_empty_test_step(self, test_step))
+
+
+def _get_metrics_result_or_logs(self, logs):
+    """Patch `global-metrics`: on the flat path, results come from the all-worker metric state."""
+    original = _state["originals"]["_get_metrics_result_or_logs"]
+    if not _on_flat_path(self):
+        return original(self, logs)
+    backend = active_backend()
+    with jax_flat.global_metric_state(self, backend.all_gather):
+        metric_logs = self.get_metrics_result()
+    if not logs or (isinstance(logs, dict) and set(logs) == set(metric_logs)):
+        return metric_logs
+    return logs
 
 
 def _quiet_unless_chief(backend, verbose):
@@ -174,15 +323,20 @@ def _fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
     if validation_split and validation_data is None:
         (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
             (x, y, sample_weight), validation_split=validation_split)
-    train = _adapter_for(backend, x, y, sample_weight, batch_size, steps_per_epoch, shuffle, class_weight)
+    path = path_for(backend, self)
+    placer = _placer(backend, path)
+    object.__setattr__(self, "_keras_mwms_flat_synced", False)  # broadcast the state at this fit
+    train = _adapter_for(backend, x, y, sample_weight, batch_size, steps_per_epoch, shuffle, class_weight,
+                         placer=placer)
     if validation_data is not None:
         val_x, val_y, val_sample_weight = data_adapter_utils.unpack_x_y_sample_weight(validation_data)
         validation_data = (_adapter_for(backend, val_x, val_y, val_sample_weight,
-                                        validation_batch_size or batch_size, validation_steps),)
-    return _reporting_lost_workers(backend, "model.fit", lambda: original(
-        self, train, None, None, epochs, _quiet_unless_chief(backend, verbose), callbacks, 0.0,
-        validation_data, False, None, None, initial_epoch, steps_per_epoch, validation_steps, None,
-        validation_freq))
+                                        validation_batch_size or batch_size, validation_steps, placer=placer),)
+    with _model_context(backend, self, path):
+        return _reporting_lost_workers(backend, "model.fit", lambda: original(
+            self, train, None, None, epochs, _quiet_unless_chief(backend, verbose), callbacks, 0.0,
+            validation_data, False, None, None, initial_epoch, steps_per_epoch, validation_steps, None,
+            validation_freq))
 
 
 def _evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None, steps=None,
@@ -192,10 +346,12 @@ def _evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weig
     if backend is None:
         return original(self, x, y, batch_size, verbose, sample_weight, steps, callbacks, return_dict,
                         **kwargs)
-    data = _adapter_for(backend, x, y, sample_weight, batch_size, steps)
-    return _reporting_lost_workers(backend, "model.evaluate", lambda: original(
-        self, data, None, None, _quiet_unless_chief(backend, verbose), None, steps, callbacks,
-        return_dict, **kwargs))
+    path = path_for(backend, self)
+    data = _adapter_for(backend, x, y, sample_weight, batch_size, steps, placer=_placer(backend, path))
+    with _model_context(backend, self, path):
+        return _reporting_lost_workers(backend, "model.evaluate", lambda: original(
+            self, data, None, None, _quiet_unless_chief(backend, verbose), None, steps, callbacks,
+            return_dict, **kwargs))
 
 
 def _predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
@@ -203,17 +359,24 @@ def _predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=Non
     backend = active_backend()
     if backend is None:
         return original(self, x, batch_size, verbose, steps, callbacks)
-    data = _adapter_for(backend, x, None, None, batch_size, steps)
-    return _reporting_lost_workers(backend, "model.predict", lambda: original(
-        self, data, None, _quiet_unless_chief(backend, verbose), steps, callbacks))
+    path = path_for(backend, self)
+    # The flat path predicts every row on every worker: full and ordered with no collective.
+    placer = _placer(backend, "full" if path == jax_flat.FLAT else path)
+    data = _adapter_for(backend, x, None, None, batch_size, steps, placer=placer)
+    with _model_context(backend, self, path):
+        return _reporting_lost_workers(backend, "model.predict", lambda: original(
+            self, data, None, _quiet_unless_chief(backend, verbose), steps, callbacks))
 
 
 # -- predict-gathers-outputs --------------------------------------------------------------
 def _make_predict_function(self, force=False):
-    result = _state["originals"]["make_predict_function"](self, force)
     backend = active_backend()
+    if _on_flat_path(self):
+        _sync_flat_state(backend, self)
+    result = _state["originals"]["make_predict_function"](self, force)
     step = self.predict_function
-    if backend is None or backend.mesh is None or getattr(step, "_keras_mwms_gathers", False):
+    if (backend is None or backend.mesh is None or getattr(step, "_keras_mwms_gathers", False)
+            or path_for(backend, self) == jax_flat.FLAT):
         return result
     gather = _full_output_gatherer(backend.mesh)
 

@@ -5,6 +5,7 @@
 | tensorflow | `keras3+tf.distribute`  | Keras 3 + `tf.distribute.MultiWorkerMirroredStrategy`, with only the two Keras 3.15.1 crash fixes (the patch functions of `keras_mwms.backends.tensorflow`) |
 | tensorflow | `tf-keras+tf.distribute`| tf-keras 2.21 (legacy Keras 2) + `tf.distribute.MultiWorkerMirroredStrategy` |
 | jax        | `keras.DataParallel`    | Keras' own `fit` (unpatched) under `keras.distribution.DataParallel`, each process feeding its shard |
+| jax        | `keras_mwms DataParallel path` | keras_mwms' `fit` with the model pinned to its previous (pre-flat) path: `KERAS_MWMS_JAX_PATH=dataparallel` behaviour |
 | torch      | `torch DDP loop`        | a hand-written `DistributedDataParallel` loop on the equivalent torch.nn model |
 
 With one process every peer runs without any strategy (plain Keras, plain tf-keras, a plain
@@ -26,8 +27,10 @@ from keras_mwms.benchmark.timing import FitTiming
 KERAS3_TF_DISTRIBUTE = "keras3+tf.distribute"
 TF_KERAS_TF_DISTRIBUTE = "tf-keras+tf.distribute"
 JAX_DATA_PARALLEL = "keras.DataParallel"
+JAX_KERAS_MWMS_DATA_PARALLEL = "keras_mwms DataParallel path"
 TORCH_DDP_LOOP = "torch DDP loop"
-PEERS = {"tensorflow": (KERAS3_TF_DISTRIBUTE, TF_KERAS_TF_DISTRIBUTE), "jax": (JAX_DATA_PARALLEL,),
+PEERS = {"tensorflow": (KERAS3_TF_DISTRIBUTE, TF_KERAS_TF_DISTRIBUTE),
+         "jax": (JAX_DATA_PARALLEL, JAX_KERAS_MWMS_DATA_PARALLEL),
          "torch": (TORCH_DDP_LOOP,)}
 
 
@@ -88,17 +91,45 @@ def jax_data_parallel_fit(strategy, config: BenchmarkConfig, model_name: str, re
 
     plain_fit = jax_patches._state["originals"].get("fit") or keras.Model.fit
     rows = local_rows(config, len(x), strategy.num_workers, strategy.worker_index)
+    # keras_mwms' flat path leaves no distribution set globally: enter Keras' own DataParallel.
+    distribution = strategy.backend.distribution
+
+    def scope():
+        return distribution.scope() if distribution is not None else contextlib.nullcontext()
 
     def build():
-        with strategy.scope():
-            return build_keras_model(keras, config, model_name)
+        with scope():
+            model = build_keras_model(keras, config, model_name)
+        object.__setattr__(model, "_keras_mwms_jax_path", "dataparallel")  # keep keras_mwms' step out
+        return model
 
     def fit(model, callbacks):
-        plain_fit(model, x[rows], y[rows], batch_size=config.global_batch // strategy.num_workers,
-                  epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+        with scope():
+            plain_fit(model, x[rows], y[rows], batch_size=config.global_batch // strategy.num_workers,
+                      epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
 
     timing = timed_keras_fit(keras, JAX_DATA_PARALLEL, model_name, repeat, config, build, fit)
     strategy.barrier(f"{JAX_DATA_PARALLEL} {model_name} {repeat} done")
+    return timing
+
+
+def jax_keras_mwms_data_parallel_fit(strategy, config: BenchmarkConfig, model_name: str, repeat: int,
+                                     x, y) -> FitTiming:
+    """keras_mwms' `fit` with the model pinned to the DataParallel path (the flat path's baseline)."""
+    import keras
+
+    def build():
+        with strategy.scope():
+            model = build_keras_model(keras, config, model_name)
+        object.__setattr__(model, "_keras_mwms_jax_path", "dataparallel")
+        return model
+
+    def fit(model, callbacks):
+        model.fit(x, y, batch_size=config.global_batch, epochs=1, shuffle=False, verbose=0,
+                  callbacks=callbacks)
+
+    timing = timed_keras_fit(keras, JAX_KERAS_MWMS_DATA_PARALLEL, model_name, repeat, config, build, fit)
+    strategy.barrier(f"{JAX_KERAS_MWMS_DATA_PARALLEL} {model_name} {repeat} done")
     return timing
 
 

@@ -127,6 +127,8 @@ def run_keras_mwms_role(config: BenchmarkConfig, backend_name: str, result: dict
                 peer_count = config.share_peers if batch_config is not config else len(peers.PEERS[backend_name])
                 if backend_name == "jax":
                     runs.add(peers.jax_data_parallel_fit, strategy, *arguments)
+                    if workers > 1 and strategy.backend.path == "flat":
+                        runs.add(peers.jax_keras_mwms_data_parallel_fit, strategy, *arguments)
                 elif backend_name == "torch":
                     runs.add(peers.torch_ddp_fit, strategy, *arguments)
                 elif workers == 1:

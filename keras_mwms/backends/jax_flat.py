@@ -1,0 +1,345 @@
+"""The JAX flat path: local replicated variables and ONE flat all-reduce of the gradients per step.
+
+Why: under `keras.distribution.DataParallel`, XLA inserts a fused all-reduce of every gradient
+inside Keras' jitted step; on CPU gloo that is 1.4–6× slower than one all-reduce of a single
+flat vector (DESIGN.md §4). On this path every worker keeps ordinary single-device variables
+(identical everywhere: broadcast from the chief when created and at the start of every `fit`)
+and Keras' train step is split in three:
+
+1. a jitted **local** step on this worker's rows of the global batch: loss, gradients, metric
+   updates; it returns the gradients times the local row count, flattened into one vector per
+   dtype (the row count rides in the float32 vector);
+2. **one cross-process all-reduce** per dtype, *outside* Keras' jit (a cross-process `pmap`
+   called inside another jit silently does not average, so it must not be);
+3. a jitted **apply**: divides by the global row count (the exact global-batch gradient even
+   for uneven shards) and runs `optimizer.stateless_apply`.
+
+Metrics are updated locally and their states are all-reduced whenever Keras computes results
+for the logs (end of every epoch, end of `evaluate`), so History and callbacks see global
+values everywhere. BatchNormalization moving statistics ride along in the flat vector (weighted
+by rows), so they never drift apart; the batch statistics themselves are per worker, which is
+why `auto` sends models with BatchNormalization (and models with their own `train_step`) to the
+DataParallel path, where XLA computes them over the global batch exactly as one process.
+
+Path choice: `KERAS_MWMS_JAX_PATH=auto` (default) | `flat` | `dataparallel`, see `requested_path`.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+PATH_ENV = "KERAS_MWMS_JAX_PATH"
+PATHS = ("auto", "flat", "dataparallel")
+FLAT = "flat"
+DATA_PARALLEL = "dataparallel"
+_MIN_BUCKET_WORDS = 256
+
+
+def requested_path() -> str:
+    """The training path asked for in `KERAS_MWMS_JAX_PATH` ("auto" when unset).
+
+    * `auto`: the flat path for models it can run exactly (no BatchNormalization, Keras' own
+      `train_step`), the DataParallel path for the others; DataParallel when a worker has
+      several local devices.
+    * `flat`: the flat path for every model (BatchNormalization then uses per-worker batch
+      statistics, as TensorFlow's MultiWorkerMirroredStrategy does with `synchronized=False`).
+    * `dataparallel`: `keras.distribution.DataParallel` over all global devices for everything.
+
+    Example:
+
+    >>> os.environ.pop(PATH_ENV, None) and None
+    >>> requested_path()
+    'auto'
+    """
+    value = os.environ.get(PATH_ENV, "auto").strip().lower() or "auto"
+    if value not in PATHS:
+        raise ValueError(f"{PATH_ENV}={value!r} is not a keras_mwms JAX path; use one of {', '.join(PATHS)}.")
+    return value
+
+
+def bucket_words(words: int) -> int:
+    """The padded length (a power of two, ≥ 256) of a broadcast, so few shapes get compiled.
+
+    Example:
+
+    >>> bucket_words(1), bucket_words(256), bucket_words(257)
+    (256, 256, 512)
+    """
+    return max(_MIN_BUCKET_WORDS, 1 << max(0, int(words) - 1).bit_length())
+
+
+class FlatCollectives:
+    """Cross-process sums of one flat vector (one XLA collective each; gloo on CPU).
+
+    Built once per backend on a `jax.pmap` over all global devices; each call takes and returns
+    process-local arrays, so it composes with jitted local code around it.
+    """
+
+    def __init__(self, is_chief: bool):
+        import jax
+
+        self._local_devices = jax.local_device_count()
+        self._is_chief = is_chief
+        self._sum = jax.pmap(lambda value: jax.lax.psum(value, "workers"), axis_name="workers",
+                             devices=jax.devices())
+
+    def all_reduce_sum(self, flat: Any) -> Any:
+        """Σ over workers of a local 1-D array (one local device), as a local array."""
+        if self._local_devices != 1:
+            raise RuntimeError("the flat all-reduce serves workers with one local device")
+        return self._sum(flat[None]).addressable_data(0)[0]
+
+    def broadcast(self, values: list[np.ndarray]) -> list[np.ndarray]:
+        """The chief's arrays on every worker, bit for bit, in ONE collective (any dtypes).
+
+        The bytes of all arrays travel as one int32 vector padded to a power of two: the chief
+        sends its words, the others zeros, and an integer sum returns exactly the chief's bits
+        (NaN payloads and -0.0 included) with few compiled shapes.
+        """
+        shapes = [np.shape(value) for value in values]
+        values = [np.ascontiguousarray(value) for value in values]  # (0-d arrays come back 1-d)
+        raw = b"".join(value.tobytes() for value in values) if self._is_chief else b""
+        total = sum(value.nbytes for value in values)
+        words = -(-total // 4)
+        send = np.zeros((self._local_devices, bucket_words(words)), np.int32)
+        if self._is_chief:
+            send[0, :words] = np.frombuffer(raw + b"\0" * (words * 4 - total), np.int32)
+        received = np.asarray(self._sum(send).addressable_data(0)[0]).tobytes()
+        out, offset = [], 0
+        for value, shape in zip(values, shapes):
+            out.append(np.frombuffer(received[offset:offset + value.nbytes], value.dtype)
+                       .reshape(shape).copy())
+            offset += value.nbytes
+        return out
+
+
+# -- model state --------------------------------------------------------------------------
+def model_state_variables(model) -> list:
+    """Every variable of the model, its metrics and its optimizer that has a value, each once."""
+    seen, variables = set(), []
+    optimizer = getattr(model, "optimizer", None)
+    groups = [model.variables, model.metrics_variables]
+    if optimizer is not None:
+        groups.append(optimizer.variables)  # `iterations` and the learning rate exist before build
+    for group in groups:
+        for variable in group:
+            if id(variable) not in seen and getattr(variable, "_value", None) is not None:
+                seen.add(id(variable))
+                variables.append(variable)
+    return variables
+
+
+def broadcast_variables(collectives: FlatCollectives, variables: list) -> None:
+    """Assigns the chief's values to `variables` on every worker (one collective)."""
+    if not variables:
+        return
+    values = collectives.broadcast([np.asarray(variable.value) for variable in variables])
+    for variable, value in zip(variables, values):
+        variable.assign(value)
+
+
+def can_run_flat(model) -> str | None:
+    """None if the flat path reproduces one process exactly for `model`, else the reason why not."""
+    from keras.src.backend.jax.trainer import JAXTrainer
+    from keras.src.layers import BatchNormalization
+
+    if type(model).train_step is not JAXTrainer.train_step:
+        return "it overrides train_step"
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, BatchNormalization):
+            return "BatchNormalization needs global batch statistics"
+    return None
+
+
+def _batch_norm_statistics_indices(model) -> list[int]:
+    from keras.src.layers import BatchNormalization
+
+    wanted = set()
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, BatchNormalization) and layer.trainable:
+            wanted |= {id(layer.moving_mean), id(layer.moving_variance)}
+    return [i for i, variable in enumerate(model.non_trainable_variables) if id(variable) in wanted]
+
+
+# -- the split train step -----------------------------------------------------------------
+def _rows_of(x) -> int:
+    from keras.src import tree
+
+    for leaf in tree.flatten(x):
+        if leaf is not None and hasattr(leaf, "shape") and len(leaf.shape):
+            return int(leaf.shape[0])
+    return 0
+
+
+def _dummy_batch(x, y, sample_weight):
+    """One zero row shaped like the batch, weighted 0: a worker with no rows still runs the step."""
+    from keras.src import tree
+
+    def zero_row(leaf):
+        if leaf is None or not hasattr(leaf, "shape"):
+            return leaf
+        return np.zeros((1,) + tuple(leaf.shape[1:]), dtype=np.asarray(leaf).dtype if not hasattr(
+            leaf, "dtype") else leaf.dtype)
+
+    return tree.map_structure(zero_row, x), tree.map_structure(zero_row, y), np.zeros((1,), np.float32)
+
+
+def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[Callable], Any]):
+    """Keras' `train_step(state, data)` for `model`, split around one flat all-reduce per dtype.
+
+    `guard(call)` runs the collective and turns a lost peer into `WorkerLostError`.
+    """
+    import jax
+    import jax.numpy as jnp
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    optimizer = model.optimizer
+    dtypes = list(dict.fromkeys(str(v.dtype) for v in model.trainable_variables))
+    if "float32" not in dtypes:
+        dtypes.append("float32")  # carries the row count
+    statistics = _batch_norm_statistics_indices(model)
+
+    def local_part(trainable, non_trainable, optimizer_variables, metrics, x, y, sample_weight, rows):
+        grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
+        (_, aux), grads = grad_fn(trainable, non_trainable, metrics, x, y, sample_weight, training=True,
+                                  optimizer_variables=optimizer_variables)
+        unscaled_loss, y_pred, non_trainable, metrics = aux
+        logs, metrics = model._update_metrics_variables(metrics, unscaled_loss, x, y, y_pred, sample_weight)
+        pieces: dict[str, list] = {dtype: [] for dtype in dtypes}
+        for grad in grads:
+            pieces[str(grad.dtype)].append((grad * rows.astype(grad.dtype)).ravel())
+        for i in statistics:
+            value = non_trainable[i]
+            pieces[str(value.dtype)].append((value * rows.astype(value.dtype)).ravel())
+        pieces["float32"].append(rows.reshape(1))
+        payloads = tuple(jnp.concatenate(pieces[dtype]) for dtype in dtypes)
+        return payloads, non_trainable, metrics, logs
+
+    def apply_part(trainable, non_trainable, optimizer_variables, sums):
+        by_dtype = dict(zip(dtypes, sums))
+        total_rows = by_dtype["float32"][-1]
+        offsets = dict.fromkeys(dtypes, 0)
+
+        def take(like):
+            dtype = str(like.dtype)
+            start = offsets[dtype]
+            offsets[dtype] = start + like.size
+            flat = by_dtype[dtype][start:start + like.size]
+            return (flat / total_rows.astype(flat.dtype)).reshape(like.shape)
+
+        grads = [take(variable) for variable in trainable]
+        non_trainable = list(non_trainable)
+        for i in statistics:
+            non_trainable[i] = take(non_trainable[i])
+        trainable, optimizer_variables = optimizer.stateless_apply(optimizer_variables, grads, trainable)
+        return trainable, non_trainable, optimizer_variables
+
+    local_jit = jax.jit(local_part)
+    apply_jit = jax.jit(apply_part, donate_argnums=(0, 1, 2))
+
+    def train_step(state, data):
+        trainable, non_trainable, optimizer_variables, metrics = state
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        rows = _rows_of(x)
+        if rows == 0:
+            x, y, sample_weight = _dummy_batch(x, y, sample_weight)
+        payloads, new_non_trainable, new_metrics, logs = local_jit(
+            trainable, non_trainable, optimizer_variables, metrics, x, y, sample_weight, np.float32(rows))
+        sums = guard(lambda: [collectives.all_reduce_sum(payload) for payload in payloads])
+        trainable, new_non_trainable, optimizer_variables = apply_jit(
+            trainable, new_non_trainable, optimizer_variables, sums)
+        if rows == 0:
+            new_metrics = metrics  # the dummy row must not count
+        return logs, (trainable, new_non_trainable, optimizer_variables, new_metrics)
+
+    return train_step
+
+
+def skip_empty_test_step(model, test_step: Callable) -> Callable:
+    """`test_step` that leaves the state alone on a worker with no rows in this step."""
+
+    def step(state, data):
+        x = data[0] if isinstance(data, (tuple, list)) else data
+        if _rows_of(x) == 0:
+            return {}, state
+        return test_step(state, data)
+
+    return step
+
+
+# -- metrics ------------------------------------------------------------------------------
+def metric_reduction(metric, variable) -> str:
+    """How a metric state variable combines across workers: "sum", "max", "min" or "first".
+
+    Same rule as on torch: `keras_mwms_reductions = {"name": op}` on the metric wins; variables
+    named max/min use max/min; `only_first_replica` ones come from the chief; the rest (totals,
+    counts, confusion matrices) are summed.
+    """
+    declared = getattr(metric, "keras_mwms_reductions", {}) or {}
+    name = variable.name.rsplit("/", 1)[-1]
+    if name in declared:
+        return declared[name]
+    if name.lower() in ("max", "maximum"):
+        return "max"
+    if name.lower() in ("min", "minimum"):
+        return "min"
+    if getattr(variable, "aggregation", "sum") == "only_first_replica":
+        return "first"
+    return "sum"
+
+
+class global_metric_state:
+    """Context: the model's metric variables hold the global (all-worker) state, then local again.
+
+    One all-gather of every metric state (flat per dtype), reduced in worker order, so every
+    worker computes identical results.
+    """
+
+    def __init__(self, model, gather: Callable[[np.ndarray], np.ndarray]):
+        self.model = model
+        self.gather = gather
+
+    def __enter__(self):
+        pairs = [(metric, variable) for metric in self.model.metrics for variable in metric.variables]
+        self.pairs = pairs
+        self.saved = [np.asarray(variable.value) for _, variable in pairs]
+        for dtype in dict.fromkeys(value.dtype for value in self.saved):
+            indices = [i for i, value in enumerate(self.saved) if value.dtype == dtype]
+            gathered = self.gather(np.concatenate([self.saved[i].ravel() for i in indices]))
+            offset = 0
+            for i in indices:
+                size = self.saved[i].size
+                parts = gathered[:, offset:offset + size]
+                offset += size
+                op = metric_reduction(*pairs[i])
+                if op == "first":
+                    value = parts[0]
+                elif op == "max":
+                    value = parts.max(axis=0)
+                elif op == "min":
+                    value = parts.min(axis=0)
+                else:
+                    value = parts[0].copy()
+                    for part in parts[1:]:
+                        value = value + part
+                pairs[i][1].assign(value.reshape(self.saved[i].shape).astype(dtype))
+        return self
+
+    def __exit__(self, *exc):
+        for (_, variable), saved in zip(self.pairs, self.saved):
+            variable.assign(saved)
+        return False
+
+
+def warn_flat_batch_norm(model) -> None:
+    reason = can_run_flat(model)
+    if reason:
+        warnings.warn(f"{PATH_ENV}=flat: {type(model).__name__} runs on the flat path although {reason}; "
+                      "BatchNormalization uses per-worker batch statistics (moving statistics stay "
+                      "identical), so results differ from one process. Use "
+                      f"{PATH_ENV}=auto for global statistics.", stacklevel=3)
