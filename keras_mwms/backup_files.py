@@ -49,7 +49,13 @@ def write_backup(backup_dir: str, metadata: dict, arrays: list, keep_previous: b
             os.fsync(handle.fileno())
         io.write_json_atomically(os.path.join(temporary, METADATA_FILE), metadata)
     previous = old.get("current") if keep_previous else None
-    io.write_json_atomically(pointer_path, {"current": name, "previous": previous})
+    try:
+        io.write_json_atomically(pointer_path, {"current": name, "previous": previous})
+    except BaseException:
+        # The pointer still names the old backup, so the new one is unreachable: remove it
+        # rather than leave a stray checkpoint that only holds space on a full disk.
+        io.remove(os.path.join(backup_dir, name))
+        raise
     keep = {name, previous}
     for entry in os.listdir(backup_dir):
         if entry.startswith("checkpoint-") and entry not in keep:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from keras_mwms import devices
+from keras_mwms import devices, network
 from keras_mwms.backends.base import Backend
 from keras_mwms.cluster import ClusterResolver, split_address
 from keras_mwms.communication import CommunicationImplementation, CommunicationOptions
@@ -46,6 +46,21 @@ _LIVENESS_WINDOW_SECONDS = 3.0
 # Upper bound for the process to end after a lost worker, even if gloo's teardown hangs.
 _EXIT_WATCHDOG_SECONDS = 30.0
 LOCAL_WORKERS_ENV = "KERAS_MWMS_LOCAL_WORKERS"
+
+
+def _bind_gloo_to(host: str) -> None:
+    """Makes gloo listen on, and advertise, the interface holding this worker's TF_CONFIG host.
+
+    By default gloo uses the address the machine's host name resolves to: often 127.0.0.1 from
+    /etc/hosts, which it then advertises to peers on other machines, who cannot connect
+    ("Gloo connectFullMesh failed ... remote=[127.0.0.1]"). `GLOO_SOCKET_IFNAME` is gloo's own
+    setting; a value the user set is kept.
+    """
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    interface = network.interface_of(host)
+    if interface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
 
 
 class WorkerLostError(RuntimeError):
@@ -178,12 +193,12 @@ class TorchBackend(Backend):
             torch.set_num_threads(default_thread_count())
         if self.num_workers > 1 and not dist.is_initialized():
             host, port = split_address(self.resolver.worker_addresses[0])
-            if ":" in host:
-                host = f"[{host}]"
+            if engine == "gloo":
+                _bind_gloo_to(split_address(self.resolver.worker_addresses[self.worker_index])[0])
             started = time.monotonic()
             try:
                 dist.init_process_group(
-                    engine, init_method=f"tcp://{host}:{port}", rank=self.worker_index,
+                    engine, store=self._store(host, port), rank=self.worker_index,
                     world_size=self.num_workers,
                     timeout=datetime.timedelta(seconds=self.timeout_seconds))
             except Exception as error:
@@ -198,6 +213,20 @@ class TorchBackend(Backend):
         from keras_mwms.backends import torch_training
 
         torch_training.install(self)
+
+    def _store(self, host: str, port: int) -> dist.TCPStore:
+        """The TCPStore `init_method="tcp://host:port"` would make, the chief's bound to `host` only.
+
+        Left to itself the store's server listens on every interface; the chief binds the
+        socket to its TF_CONFIG address first and hands it over (`master_listen_fd`). If that
+        host is not an address of this machine (NAT, a service name) torch binds as usual.
+        """
+        listener = network.listen_on(host, port) if self.worker_index == 0 else None
+        # The store owns the descriptor from here on; Python must not close it.
+        listen_fd = listener.detach() if listener is not None else None
+        return dist.TCPStore(host.strip("[]"), port, self.num_workers, self.worker_index == 0,
+                             timeout=datetime.timedelta(seconds=self.timeout_seconds),
+                             multi_tenant=True, master_listen_fd=listen_fd)
 
     def leave(self) -> None:
         if dist.is_initialized():

@@ -57,8 +57,17 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         coordination.sync_model_state(self.model)
         if coordination.is_chief():
             suffix = ".weights.h5" if filepath.endswith(".weights.h5") else os.path.splitext(filepath)[1]
-            with io.atomic_path(filepath, suffix) as temporary:
-                self._write(temporary)
+            try:
+                with io.atomic_path(filepath, suffix) as temporary:
+                    self._write(temporary)
+            except OSError as error:
+                # The engine's error names the temporary file; say which checkpoint failed.
+                raise OSError(
+                    error.errno,
+                    f"ModelCheckpoint could not save {filepath}: {error}. Nothing was written "
+                    "there (the previous file, if any, is intact). Check that the chief can write "
+                    "this directory and has free space.",
+                ) from error
             if self.verbose > 0:
                 print(f"\nEpoch {epoch + 1}: finished saving model to {filepath}", flush=True)
             return

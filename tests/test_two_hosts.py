@@ -1,0 +1,219 @@
+"""Two "machines" on one box: a worker in each of two network namespaces joined by a veth pair.
+
+Our nearest thing to a real two-host cluster: each worker has its own network stack and its own
+IP address (`10.77.<random>.1` and `.2`), and `localhost` means a different machine to each,
+so an engine that advertises a loopback or host-name address to its peer, or listens on the
+wrong interface, fails here while it passes on localhost. For every backend one run of
+`tests/workers/two_hosts_fit.py` trains across the two namespaces; the tests assert both
+workers end bit-identical, equal to a single process on the same global batches, and which
+addresses each engine listens on (see the README's Security section).
+
+Needs root and iproute2 (`ip netns`); skipped with the reason otherwise. The namespaces (and
+with them the veth pair) are deleted in a finalizer, and every worker is killed at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.multiworker import REPO, WORKERS_DIR, worker_env
+from tests.workers.common import load_result, load_weights, max_weight_difference
+
+SCENARIO = str(WORKERS_DIR / "two_hosts_fit.py")
+RUN_TIMEOUT = 240  # seconds for a 2-worker run; measured 44-77 s on a loaded 2-core machine
+GRACE_AFTER_FAILURE = 60  # how long the other worker may take to notice a failed peer
+EQUIVALENCE_TOLERANCE = 1e-5
+BACKENDS = [
+    pytest.param("tensorflow", marks=pytest.mark.tensorflow),
+    # Not run until keras_mwms/backends/jax.py binds gloo to the TF_CONFIG host (issue 9): the
+    # failing run costs ~90 s. Remove the xfail mark with that change.
+    pytest.param("jax", marks=[pytest.mark.jax, pytest.mark.xfail(
+        run=False, reason="JAX's gloo advertises the host name's address (127.0.0.1 here) to its peer, "
+        "who cannot connect; needs jax.py to create gloo with hostname=<TF_CONFIG host>")]),
+    pytest.param("torch", marks=pytest.mark.torch),
+]
+
+pytestmark = pytest.mark.slow
+
+
+@dataclass
+class TwoHosts:
+    """Two network namespaces joined by a veth pair; `addresses[i]` is namespace i's IP."""
+
+    namespaces: tuple[str, str]
+    addresses: tuple[str, str]
+
+    def tf_config(self, index: int, port: int) -> str:
+        import json
+
+        workers = [f"{address}:{port}" for address in self.addresses]
+        return json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})
+
+
+def _ip(*arguments: str) -> None:
+    subprocess.run(["ip", *arguments], check=True, capture_output=True, text=True, timeout=30)
+
+
+def _delete_namespaces(namespaces, links) -> None:
+    # Deleting a namespace deletes the veth end inside it, and with it the pair; a pair not yet
+    # moved into a namespace is deleted by name.
+    for namespace in namespaces:
+        subprocess.run(["ip", "netns", "delete", namespace], capture_output=True, timeout=30)
+    for link in links:
+        subprocess.run(["ip", "link", "delete", link], capture_output=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    if os.name != "posix" or os.geteuid() != 0:
+        pytest.skip("network namespaces need root (ip netns add); run the tests as root, as CI does")
+    if shutil.which("ip") is None:
+        pytest.skip("iproute2's `ip` is not installed; apt-get install iproute2")
+    # A random subnet and names per run, so parallel runs and leftovers of a killed run don't clash.
+    tag = f"{os.getpid() % 10000}{random.randrange(100):02d}"
+    subnet = random.randrange(1, 255)
+    namespaces = (f"kmwms{tag}a", f"kmwms{tag}b")
+    links = (f"kmv{tag}a", f"kmv{tag}b")
+    addresses = (f"10.77.{subnet}.1", f"10.77.{subnet}.2")
+    try:
+        for namespace in namespaces:
+            _ip("netns", "add", namespace)
+        _ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
+        for namespace, link, address in zip(namespaces, links, addresses):
+            _ip("link", "set", link, "netns", namespace)
+            _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", link)
+            _ip("-n", namespace, "link", "set", link, "up")
+            _ip("-n", namespace, "link", "set", "lo", "up")
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as error:
+        _delete_namespaces(namespaces, links)
+        detail = getattr(error, "stderr", "") or error
+        pytest.skip(f"cannot create two network namespaces joined by a veth pair here: {detail}")
+    try:
+        yield TwoHosts(namespaces, addresses)
+    finally:
+        _delete_namespaces(namespaces, links)
+
+
+def _kill(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait(timeout=30)
+
+
+def run_across(hosts: TwoHosts, backend: str, out: Path, port: int) -> tuple[list[int], float, str]:
+    """Runs the scenario with worker i in namespace i; returns exit codes, seconds, output."""
+    base_env = {key: value for key, value in os.environ.items() if key != "TF_CONFIG"}
+    processes, logs = [], []
+    started = time.monotonic()
+    try:
+        for index, namespace in enumerate(hosts.namespaces):
+            log = open(out.parent / f"{out.name}-w{index}.log", "w+")  # noqa: SIM115 - closed below
+            logs.append(log)
+            env = {**base_env, **worker_env(backend), "TF_CONFIG": hosts.tf_config(index, port)}
+            # `ip netns exec` execs the command, so the worker is the process (and group) we hold.
+            processes.append(subprocess.Popen(
+                ["ip", "netns", "exec", namespace, sys.executable, "-u", SCENARIO, str(out)],
+                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = started + RUN_TIMEOUT
+        while time.monotonic() < deadline and any(p.poll() is None for p in processes):
+            if any(p.poll() not in (None, 0) for p in processes):
+                deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE)
+            time.sleep(0.2)
+        seconds = time.monotonic() - started
+    finally:
+        for process in processes:
+            _kill(process)
+    output = ""
+    for index, log in enumerate(logs):
+        log.seek(0)
+        output += "".join(f"[worker {index}] {line}" for line in log.read().splitlines(keepends=True))
+        log.close()
+    return [p.returncode for p in processes], seconds, output
+
+
+def start_single(backend: str, out: Path) -> subprocess.Popen:
+    """Starts the single-process reference (no TF_CONFIG) in this namespace."""
+    env = {key: value for key, value in os.environ.items() if key != "TF_CONFIG"}
+    return subprocess.Popen([sys.executable, "-u", SCENARIO, str(out)], cwd=REPO,
+                            env={**env, **worker_env(backend)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+@dataclass
+class AcrossRun:
+    backend: str
+    hosts: TwoHosts
+    port: int
+    root: Path
+    codes: list[int]
+    output: str
+    single_code: int | None
+    single_output: str
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def across(request, two_hosts, tmp_path_factory):
+    backend = request.param
+    root = tmp_path_factory.mktemp(f"two-hosts-{backend}")
+    port = random.randrange(20000, 40000)  # each namespace has its own ports: any one is free
+    # The reference runs alongside: it mostly waits for imports while the gang waits for peers.
+    single = start_single(backend, root / "single")
+    try:
+        codes, seconds, output = run_across(two_hosts, backend, root / "gang", port)
+        single_output, _ = single.communicate(timeout=RUN_TIMEOUT)
+    finally:
+        _kill(single)
+    print(f"\n[two hosts] {backend}: 2 workers across namespaces in {seconds:.1f} s, exit codes {codes}")
+    return AcrossRun(backend, two_hosts, port, root, codes, output, single.returncode, single_output)
+
+
+def test_workers_in_two_namespaces_train_like_one_process(across):
+    assert across.codes == [0, 0], across.output[-8000:]
+    assert across.single_code == 0, across.single_output[-4000:]
+    first = load_weights(across.root / "gang", 0)
+    assert max_weight_difference(load_weights(across.root / "gang", 1), first) == 0.0
+    delta = max_weight_difference(first, load_weights(across.root / "single", 0))
+    print(f"[two hosts] {across.backend}: max|dw| vs single process = {delta:.3g}")
+    assert delta <= EQUIVALENCE_TOLERANCE
+    assert load_result(across.root / "gang", 0)["num_workers"] == 2
+
+
+def listening_addresses(out: Path, index: int) -> list[str]:
+    """Local `address:port` of every socket listening in worker `index`'s namespace after fit."""
+    return [line.split()[3] for line in load_result(out, index)["listeners"]]
+
+
+def host_of(listening: str) -> str:
+    """`10.0.0.1` of `10.0.0.1:80`, `::` of `[::]:80`, `10.0.0.1` of `[::ffff:10.0.0.1]:80`."""
+    host = listening.rsplit(":", 1)[0].strip("[]")
+    return host.removeprefix("::ffff:")
+
+
+def test_each_engine_listens_where_the_readme_says(across):
+    """The README's bind table: TF on every interface, torch and JAX on the TF_CONFIG host only."""
+    assert across.codes == [0, 0], across.output[-8000:]
+    for index in (0, 1):
+        own = across.hosts.addresses[index]
+        listening = listening_addresses(across.root / "gang", index)
+        print(f"[two hosts] {across.backend} worker {index} ({own}) listens on {listening}")
+        assert listening, "no listener recorded: is `ss` (iproute2) installed?"
+        if across.backend == "tensorflow":
+            # TF's gRPC server hard-codes the wildcard address; only the TF_CONFIG port is used.
+            assert listening == [f"*:{across.port}"] or all(
+                host_of(address) in ("*", "::", "0.0.0.0") and address.endswith(f":{across.port}")
+                for address in listening), listening
+        else:
+            assert all(host_of(address) == own for address in listening), listening

@@ -1,0 +1,55 @@
+"""Two-host scenario: a short fit, then the TCP listeners of this worker's network namespace.
+
+Run by `tests/test_two_hosts.py` once per worker, each in its own network namespace (its own
+IP address on a veth pair), and without TF_CONFIG as the single-process reference:
+
+    python tests/workers/two_hosts_fit.py OUT_DIR [--epochs 2]
+
+Writes `OUT_DIR/w<index>.npz` (final weights) and `OUT_DIR/w<index>.json` with `listeners`:
+the `ss -ltnH` lines seen after `fit` (the engine's sockets are still open then; the worker
+is alone in its namespace, so every listener is its own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("--epochs", type=int, default=2)
+arguments = parser.parse_args()
+
+import keras  # noqa: E402
+
+import keras_mwms  # noqa: E402
+
+# The strategy comes first: JAX and TensorFlow cannot join a cluster after they computed.
+strategy = keras_mwms.MultiWorkerMirroredStrategy()
+index = strategy.worker_index
+keras.utils.set_random_seed(5)
+x, y = common.regression_data(rows=128)
+with strategy.scope():
+    model = common.mlp(hidden=8)
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+history = model.fit(x, y, batch_size=32, epochs=arguments.epochs, shuffle=False, verbose=0)
+
+
+def listeners() -> list[str]:
+    """This namespace's listening TCP sockets as `ss -ltnH` prints them ([] without `ss`)."""
+    try:
+        listed = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [" ".join(line.split()) for line in listed.stdout.splitlines() if line.strip()]
+
+
+common.save_result(arguments.out, index, model, history=history.history, listeners=listeners(),
+                   num_workers=strategy.num_workers)
+common.log("done")
