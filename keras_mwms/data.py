@@ -144,3 +144,49 @@ def worker_row_indices(num_rows: int, global_batch_size: int, num_workers: int,
         last = slices[(worker_index + 1) * replicas_per_worker - 1][1]
         steps.append(order[step_start + first : step_start + last])
     return steps
+
+
+def leading_rows(x) -> int | None:
+    """Rows of array input `x` (an array, tensor, or list/tuple/dict of them); None otherwise.
+
+    Datasets, generators and `PyDataset`s have no row count known up front: None.
+
+    Example:
+
+    >>> leading_rows({"a": np.zeros((5, 2)), "b": np.zeros((5,))}), leading_rows(iter([]))
+    (5, None)
+    """
+    if isinstance(x, dict):
+        x = list(x.values())
+    if isinstance(x, (list, tuple)):
+        return next((rows for rows in map(leading_rows, x) if rows is not None), None)
+    shape = getattr(x, "shape", None)
+    if shape is None or not hasattr(x, "__len__") or len(shape) == 0:
+        return None
+    return int(shape[0])
+
+
+def uneven_rows_error(rows_per_worker, worker_index: int, what: str) -> ValueError | None:
+    """A clear error if workers passed different amounts of array data, else None.
+
+    `rows_per_worker[w]` is worker w's `leading_rows(x)` (None for a dataset). Every worker
+    must pass the same global arrays: each takes its rows of every global batch, so different
+    lengths would give workers different step counts (a hang or an aborted collective).
+
+    Example:
+
+    >>> print(uneven_rows_error([256, 200], 0, "model.fit()"))  # doctest: +ELLIPSIS
+    keras_mwms worker 0: model.fit() got different data on the workers: worker 0: 256 rows, worker 1: 200 rows...
+    >>> uneven_rows_error([256, 256], 1, "model.fit()") is None
+    True
+    """
+    if len(set(rows_per_worker)) <= 1:
+        return None
+    listing = ", ".join(f"worker {index}: " + ("a dataset" if rows is None else f"{rows} rows")
+                        for index, rows in enumerate(rows_per_worker))
+    return ValueError(
+        f"keras_mwms worker {worker_index}: {what} got different data on the workers: {listing}. "
+        "Pass the same (global) arrays on every worker: keras_mwms gives each worker its rows of "
+        "every global batch. For per-worker data, use a dataset with "
+        "AutoShardPolicy.OFF or strategy.distribute_datasets_from_function, and the same number "
+        "of batches on every worker.")

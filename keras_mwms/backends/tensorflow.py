@@ -30,9 +30,12 @@ model.fit(x, y, batch_size=64, epochs=2)                   # 64 = the global bat
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import inspect
 import pickle
+import re
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -48,9 +51,24 @@ from keras_mwms.communication import CommunicationImplementation, CommunicationO
 # TF's coordination-service heartbeats already end every worker ≈10 s after a peer dies or is
 # stopped (SIGSTOP stops its heartbeat thread too). A user's `timeout_seconds` is passed on.
 DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = None
+# After a lost peer TF's own teardown can take tens of seconds (gRPC, coordination service);
+# the process ends at most this long after the `WorkerLostError`, whatever it waits for.
+_EXIT_WATCHDOG_SECONDS = 20
+_TASK_PATTERN = re.compile(r"/job:(\w+)/(?:replica:\d+/)?task:(\d+)")
 
 _KERAS_PATCHED = False
 _backends_by_tf_strategy: dict[int, TensorFlowBackend] = {}
+
+
+class WorkerLostError(RuntimeError):
+    """A peer crashed, hung or left during `fit` / `evaluate` / `predict` on TensorFlow.
+
+    The message names the lost worker(s) as `worker R (job:index at host:port)`; TF's own
+    error is chained as the cause. The process ends at most `_EXIT_WATCHDOG_SECONDS` later.
+
+    >>> issubclass(WorkerLostError, RuntimeError)
+    True
+    """
 
 
 def resolve_engine(implementation: CommunicationImplementation, gpu_count: int) -> CommunicationImplementation:
@@ -351,6 +369,8 @@ def _prepare_call(model, method: str, bound: inspect.BoundArguments) -> None:
         _align_shuffle_seed(backend)
     if backend.num_workers == 1:
         return
+    if method in ("fit", "evaluate"):
+        _check_same_rows(backend, x, f"model.{method}()")
     if getattr(model, "steps_per_execution", 1) > 1:
         raise NotImplementedError(
             f"model.{method}() with steps_per_execution={model.steps_per_execution} is not "
@@ -359,6 +379,23 @@ def _prepare_call(model, method: str, bound: inspect.BoundArguments) -> None:
             "a value for placeholder tensor'. Compile with steps_per_execution=1.")
     if _shard_policy_is_off(x):
         arguments["x"] = _distribute_unsharded_dataset(backend, x, f"model.{method}()")
+
+
+def _check_same_rows(backend: TensorFlowBackend, x, what: str) -> None:
+    """Every worker must pass arrays of one length; else a clear error everywhere (one all-reduce).
+
+    Different lengths give workers different step counts: a collective mismatch, not a hang
+    we could name, so it is caught before the first step.
+    """
+    from keras_mwms.data import leading_rows, uneven_rows_error
+
+    rows = leading_rows(x)
+    mine = np.zeros((backend.num_workers,), np.int64)
+    mine[backend.worker_index] = 0 if rows is None else rows + 1   # 0 encodes "not arrays"
+    everyone = [int(value) - 1 if value else None for value in backend._all_reduce_sum(mine)]
+    error = uneven_rows_error(everyone, backend.worker_index, what)
+    if error is not None:
+        raise error
 
 
 def _align_shuffle_seed(backend: TensorFlowBackend) -> None:
@@ -381,10 +418,50 @@ def _wrap_trainer_method(method_name: str, original: Callable) -> Callable:
     def method(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs)
         _prepare_call(self, method_name, bound)
-        return original(*bound.args, **bound.kwargs)
+        try:
+            return original(*bound.args, **bound.kwargs)
+        except Exception as error:
+            _raise_if_worker_lost(_backend_for_model(self), f"model.{method_name}()", error)
+            raise
 
     method.__keras_mwms_original__ = original
     return method
+
+
+def _raise_if_worker_lost(backend: TensorFlowBackend | None, what: str, error: Exception) -> None:
+    """Turns TF's lost-peer errors (heartbeats, aborted collectives) into `WorkerLostError`.
+
+    TF names the lost task as `/job:worker/replica:0/task:1` deep inside a graph traceback;
+    we name it like the other backends do, and bound the exit (TF's teardown may linger).
+    """
+    import tensorflow as tf
+
+    lost_peer_errors = (tf.errors.UnavailableError, tf.errors.AbortedError,
+                        tf.errors.DeadlineExceededError)
+    if backend is None or backend.num_workers == 1 or not isinstance(error, lost_peer_errors):
+        return
+    text = str(error)
+    # "... The following tasks are unhealthy (stopped sending heartbeats): /job:worker/...task:1"
+    listed = text.split("unhealthy", 1)[1] if "unhealthy" in text else text
+    ranks = []
+    for job, index in _TASK_PATTERN.findall(listed):
+        task = (job, int(index))
+        if task in backend.resolver.group_tasks:
+            rank = backend.resolver.group_tasks.index(task)
+            if rank != backend.worker_index and rank not in ranks:
+                ranks.append(rank)
+    names = [f"worker {rank} ({job}:{index} at {backend.resolver.worker_addresses[rank]})"
+             for rank in ranks for job, index in [backend.resolver.group_tasks[rank]]]
+    reason = next((line.strip() for line in text.splitlines()
+                   if "unhealthy" in line or "aborted" in line.lower()), text.splitlines()[0])
+    message = (
+        f"keras_mwms worker {backend.worker_index}: lost {', '.join(names) or 'a peer worker'} "
+        f"during {what}: {type(error).__name__}: {reason[:300]} Synchronous training cannot "
+        "continue; every worker stops. Restart the job (`python -m keras_mwms.launch "
+        "--max-restarts N`) and use keras_mwms.callbacks.BackupAndRestore to resume.")
+    print(message, file=sys.stderr, flush=True)
+    faulthandler.dump_traceback_later(_EXIT_WATCHDOG_SECONDS, exit=True)
+    raise WorkerLostError(message) from error
 
 
 # -- Keras 3.15.1 patches -----------------------------------------------------------------

@@ -273,6 +273,7 @@ def shard_fit_inputs(backend: TorchBackend, args: tuple, kwargs: dict) -> dict:
     if isinstance(x, Sharded):
         return values
     seed = shared_seed(backend)
+    check_same_rows(backend, x, "model.fit()")
     if _is_arrays(x, y, sample_weight):
         x, y, sample_weight = _to_numpy((x, y, sample_weight))
         if values["class_weight"] is not None:
@@ -309,10 +310,33 @@ def shard_evaluate_inputs(backend: TorchBackend, args: tuple, kwargs: dict) -> d
     x = values["x"]
     if isinstance(x, Sharded):
         return values
+    check_same_rows(backend, x, "model.evaluate()")
     values["x"] = _shard_arrays_or_data(backend, x, values["y"], values["sample_weight"],
                                         values["batch_size"], False, seed=0)
     values.update(y=None, sample_weight=None, batch_size=None)
     return values
+
+
+def check_same_rows(backend: TorchBackend, x, what: str) -> None:
+    """Every worker must pass arrays of one length; else a clear error everywhere (one all-reduce).
+
+    Different lengths give workers different step counts: the next collective would mismatch
+    (gloo aborts the process), so it is caught before the first step.
+    """
+    import torch
+
+    from keras_mwms.data import leading_rows, uneven_rows_error
+
+    if not backend.distributed:
+        return
+    rows = leading_rows(x)
+    mine = torch.zeros(backend.num_workers, dtype=torch.float64)
+    mine[backend.worker_index] = 0 if rows is None else rows + 1   # 0 encodes "not arrays"
+    (everyone,) = backend.all_reduce_flat([mine], what="row-count check")
+    error = uneven_rows_error([int(value) - 1 if value else None for value in everyone.tolist()],
+                              backend.worker_index, what)
+    if error is not None:
+        raise error
 
 
 def _original(method):

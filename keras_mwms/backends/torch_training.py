@@ -18,8 +18,9 @@ What a tagged model gets (DESIGN.md §3):
   scaling. The optimizer keeps its fast torch class (its class is swapped for a subclass).
 * A worker whose shard of a step is empty runs the step on one zero-weight dummy row so that
   every worker issues the same collectives; its metrics are left untouched.
-* Metric state is reduced across workers (sum, or min/max) when results are computed at the
-  end of every epoch and of `evaluate`, so History and callbacks agree everywhere.
+* Metric state is reduced across workers (sum, or min/max) when results are computed: after
+  every training step (the batch logs) and at the end of every epoch and of `evaluate`, so
+  History and callbacks agree everywhere (one small extra all-reduce per step).
 * `BatchNormalization(synchronized=True)` computes global batch statistics.
 """
 
@@ -198,14 +199,19 @@ def _distributed_train_function(model, backend: TorchBackend, train_function):
         rows = _first_dimension(batch)
         backend.step_rows = rows
         if rows:
-            return train_function(data)
-        # An empty shard (a short last global batch): run the step on a dummy row weighted 0 so
-        # this worker issues the same collectives as the others, then forget its metrics.
-        snapshot = _metric_snapshot(model)
-        try:
-            return train_function([_dummy_row(batch)])
-        finally:
-            _metric_restore(model, snapshot)
+            logs = train_function(data)
+        else:
+            # An empty shard (a short last global batch): run the step on a dummy row weighted 0
+            # so this worker issues the same collectives as the others, then forget its metrics.
+            snapshot = _metric_snapshot(model)
+            try:
+                logs = train_function([_dummy_row(batch)])
+            finally:
+                _metric_restore(model, snapshot)
+        # Batch logs are global, as on TensorFlow: callbacks that stop training on a logged value
+        # (TerminateOnNaN, a batch-level EarlyStopping) decide alike on every worker. Local logs
+        # let one worker stop a step early and the others hang or abort in the next collective.
+        return model._get_metrics_result_or_logs(logs)
 
     distributed_train_function._keras_mwms = True
     return distributed_train_function
