@@ -371,6 +371,8 @@ def _prepare_call(model, method: str, bound: inspect.BoundArguments) -> None:
         return
     if method in ("fit", "evaluate"):
         _check_same_rows(backend, x, f"model.{method}()")
+    if model.jit_compile and backend._gpu_count == 0:
+        _compile_without_xla(model)
     if getattr(model, "steps_per_execution", 1) > 1:
         raise NotImplementedError(
             f"model.{method}() with steps_per_execution={model.steps_per_execution} is not "
@@ -379,6 +381,23 @@ def _prepare_call(model, method: str, bound: inspect.BoundArguments) -> None:
             "a value for placeholder tensor'. Compile with steps_per_execution=1.")
     if _shard_policy_is_off(x):
         arguments["x"] = _distribute_unsharded_dataset(backend, x, f"model.{method}()")
+
+
+def _compile_without_xla(model) -> None:
+    """`jit_compile=True` on CPU workers: TF's XLA has no CPU collectives, so train unjitted.
+
+    TensorFlow 2.21 fails such a step with "Collectives are not yet implemented for CPU devices
+    when compiling with XLA" (b/194942685), and a worker may abort with a double free. Keras'
+    default `jit_compile="auto"` already picks False on CPU-only machines; an explicit True is
+    turned off here, with a warning, before Keras builds its step functions.
+    """
+    warnings.warn(
+        "jit_compile=True is ignored on this multi-worker TensorFlow job: TensorFlow's XLA cannot "
+        "compile cross-worker collectives on CPU devices (b/194942685), so keras_mwms trains "
+        "with jit_compile=False. Use GPU workers for XLA, or compile with jit_compile='auto'.",
+        stacklevel=4)
+    model.jit_compile = False
+    model.train_function = model.test_function = model.predict_function = None
 
 
 def _check_same_rows(backend: TensorFlowBackend, x, what: str) -> None:

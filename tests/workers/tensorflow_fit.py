@@ -30,6 +30,7 @@ parser.add_argument("--seed-by-worker", action="store_true", help="seed worker i
 parser.add_argument("--validation", default="none", choices=["none", "data", "split"])
 parser.add_argument("--steps-per-epoch", type=int, default=None)
 parser.add_argument("--steps-per-execution", type=int, default=1)
+parser.add_argument("--jit-compile", action="store_true", help="compile(jit_compile=True)")
 arguments = parser.parse_args()
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -53,7 +54,8 @@ with strategy.scope():
         model = common.mlp(batch_norm=True, synchronized=arguments.model == "batchnorm")
     optimizer = keras.optimizers.SGD(0.05) if arguments.optimizer == "sgd" else keras.optimizers.Adam(1e-2)
     model.compile(optimizer=optimizer, loss="mse", metrics=["mae"],
-                  steps_per_execution=arguments.steps_per_execution)
+                  steps_per_execution=arguments.steps_per_execution,
+                  jit_compile=True if arguments.jit_compile else "auto")
 os.makedirs(arguments.out, exist_ok=True)
 np.savez(os.path.join(arguments.out, f"w{index}.init.npz"), *model.get_weights())
 
