@@ -229,6 +229,15 @@ def test_jit_compile_workers_bit_identical_and_equal_to_eager_one_process(two_wo
 
 
 @pytest.mark.slow
+def test_gradients_reduce_during_backward_in_eager_gangs_only(sgd_arrays, two_workers_dir,
+                                                                reference_dir):
+    assert sgd_arrays.result(0)["overlap_buckets"] >= 1
+    assert sgd_arrays.reference_result()["overlap_buckets"] == 0   # one process: nothing to reduce
+    jit = Scenario(two_workers_dir, reference_dir, "jit", 2)
+    assert jit.result(0)["overlap_buckets"] == 0                   # torch.compile'd step: after it
+
+
+@pytest.mark.slow
 def test_custom_loop_surface(two_workers_dir):
     results = [common.load_result(os.path.join(two_workers_dir, "surface"), i) for i in range(2)]
     for result in results:

@@ -16,6 +16,8 @@ What a tagged model gets (DESIGN.md §3):
   statistics in one bucketed flat all-reduce, then divides by the global row count: the exact
   global-batch gradient even for uneven or empty shards, seen averaged by clipping and loss
   scaling. The optimizer keeps its fast torch class (its class is swapped for a subclass).
+  With Keras' own eager train step the gradient buckets start reducing during `backward()`
+  (`torch_overlap`); `KERAS_MWMS_TORCH_OVERLAP=0` reduces them after it instead.
 * A worker whose shard of a step is empty runs the step on one zero-weight dummy row so that
   every worker issues the same collectives; its metrics are left untouched.
 * Metric state is reduced across workers (sum, or min/max) when results are computed: after
@@ -37,6 +39,8 @@ if TYPE_CHECKING:
     from keras_mwms.backends.torch import TorchBackend
 
 _TAG = "_keras_mwms_backend"
+# Set to 0 to reduce gradients only after backward (no overlap with the backward pass).
+OVERLAP_ENV = "KERAS_MWMS_TORCH_OVERLAP"
 _installed_for: list = []
 
 
@@ -193,21 +197,55 @@ def _metric_restore(model, snapshot) -> None:
             variable.value.data.copy_(saved)
 
 
+def _overlap_enabled(model) -> bool:
+    """Overlap needs Keras' own eager train step: one backward, all trainable weights."""
+    import os
+
+    from keras.src.backend.torch.trainer import TorchTrainer
+
+    if os.environ.get(OVERLAP_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return not model.jit_compile and type(model).train_step is TorchTrainer.train_step
+
+
+def _armed_reducer(model, backend: TorchBackend, rows: int):
+    """The model's `OverlappedGradients`, re-planned when its trainable weights changed."""
+    from keras_mwms.backends.torch_overlap import OverlappedGradients
+
+    reducer = getattr(model, "_keras_mwms_overlap", None)
+    weights = model.trainable_weights
+    if reducer is None or not reducer.covers(weights):
+        if reducer is not None:
+            reducer.close()
+        reducer = OverlappedGradients(backend, [variable.value for variable in weights])
+        object.__setattr__(model, "_keras_mwms_overlap", reducer)
+    reducer.arm(rows)
+    return reducer
+
+
 def _distributed_train_function(model, backend: TorchBackend, train_function):
+    overlap = backend.distributed and _overlap_enabled(model)
+
     def distributed_train_function(data):
         batch = data[0]
         rows = _first_dimension(batch)
         backend.step_rows = rows
-        if rows:
-            logs = train_function(data)
-        else:
-            # An empty shard (a short last global batch): run the step on a dummy row weighted 0
-            # so this worker issues the same collectives as the others, then forget its metrics.
-            snapshot = _metric_snapshot(model)
-            try:
-                logs = train_function([_dummy_row(batch)])
-            finally:
-                _metric_restore(model, snapshot)
+        reducer = _armed_reducer(model, backend, rows) if overlap else None
+        try:
+            if rows:
+                logs = train_function(data)
+            else:
+                # An empty shard (a short last global batch): run the step on a dummy row
+                # weighted 0 so this worker issues the same collectives as the others, then
+                # forget its metrics.
+                snapshot = _metric_snapshot(model)
+                try:
+                    logs = train_function([_dummy_row(batch)])
+                finally:
+                    _metric_restore(model, snapshot)
+        finally:
+            if reducer is not None:
+                reducer.disarm()
         # Batch logs are global, as on TensorFlow: callbacks that stop training on a logged value
         # (TerminateOnNaN, a batch-level EarlyStopping) decide alike on every worker. Local logs
         # let one worker stop a step early and the others hang or abort in the next collective.
@@ -249,7 +287,8 @@ def _distribute_optimizer(model, backend: TorchBackend) -> None:
 
     def apply(self, grads, trainable_variables=None):
         if backend.distributed:
-            grads = _average_gradients(backend, self._keras_mwms_model, list(grads))
+            grads = _average_gradients(backend, self._keras_mwms_model, list(grads),
+                                       trainable_variables)
         return base.apply(self, grads, trainable_variables)
 
     distributed = type(base.__name__, (base,), {
@@ -275,20 +314,27 @@ def _unsynchronized_batch_norm_statistics(model) -> list:
 
 @torch._dynamo.disable
 @torch.no_grad()
-def _average_gradients(backend: TorchBackend, model, grads: list) -> list:
-    """Global-batch gradients: Σ_w (rows_w · grad_w) / Σ_w rows_w, in one bucketed all-reduce.
+def _average_gradients(backend: TorchBackend, model, grads: list, variables=None) -> list:
+    """Global-batch gradients: Σ_w (rows_w · grad_w) / Σ_w rows_w, in bucketed all-reduces.
 
     The loss was already multiplied by this worker's rows (`scale_loss`); a custom
     `train_step` that skips `scale_loss` gets the plain mean over workers instead.
     Unsynchronized BatchNormalization moving statistics ride along, weighted by rows, so they
-    never drift.
+    never drift. When the step's gradients were already being reduced during backward
+    (`torch_overlap`), only the statistics and the row counts are left to reduce here.
     """
     has_rows = backend.step_rows > 0
     rows = float(backend.step_rows)
     weight = rows if backend.loss_weighted_by_rows else float(has_rows)
     backend.loss_weighted_by_rows = False
-    present = [i for i, grad in enumerate(grads) if grad is not None]
     statistics = _unsynchronized_batch_norm_statistics(model)
+    reducer = getattr(model, "_keras_mwms_overlap", None)
+    if reducer is not None and reducer.armed:
+        # Always finish: its collectives are in flight on every worker.
+        summed = reducer.finish()
+        if variables is not None and reducer.covers(list(variables)):
+            return _average_overlapped(backend, grads, summed, statistics, weight, rows)
+    present = [i for i, grad in enumerate(grads) if grad is not None]
     payload = []
     for i in present:
         payload.append(grads[i] if has_rows else torch.zeros_like(grads[i]))
@@ -305,6 +351,21 @@ def _average_gradients(backend: TorchBackend, model, grads: list) -> list:
     for offset, variable in enumerate(statistics):
         variable.value.data.copy_(reduced[len(present) + offset] / total_rows)
     return averaged
+
+
+def _average_overlapped(backend: TorchBackend, grads: list, summed: list, statistics: list,
+                        weight: float, rows: float) -> list:
+    """Divides the gradients summed during backward by the global weight; syncs statistics."""
+    has_rows = rows > 0
+    payload = [variable.value.data * rows if has_rows else torch.zeros_like(variable.value.data)
+               for variable in statistics]
+    reference = summed[0] if summed else torch.zeros(())
+    payload.append(torch.tensor([weight, rows], dtype=reference.dtype, device=reference.device))
+    reduced = backend.all_reduce_flat(payload, what="gradient all-reduce")
+    total_weight, total_rows = reduced[-1][0], reduced[-1][1]
+    for offset, variable in enumerate(statistics):
+        variable.value.data.copy_(reduced[offset] / total_rows)
+    return [None if grad is None else total.div_(total_weight) for grad, total in zip(grads, summed)]
 
 
 # -- metrics ------------------------------------------------------------------------------

@@ -105,6 +105,8 @@ def run_scenario(strategy, out: str, data="arrays", optimizer="sgd", epochs=2, r
         weight_sum_at_train_begin=start_sums[0],
         optimizer_class=type(model.optimizer).__mro__[1].__module__,
         optimizer_iterations=int(model.optimizer.iterations.numpy()),
+        # Gradient buckets reduced during backward (keras_mwms.backends.torch_overlap); 0: none.
+        overlap_buckets=len(getattr(getattr(model, "_keras_mwms_overlap", None), "buckets", [])),
     )
     np.save(os.path.join(out, f"predict{index}.npy"), predictions)
 

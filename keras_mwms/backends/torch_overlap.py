@@ -1,0 +1,174 @@
+"""Gradient all-reduces that start during `backward()`, one bucket at a time (torch backend).
+
+Keras' torch train step runs `loss.backward()` and only then hands the gradients to the
+optimizer. Reducing them there leaves the network idle for the whole backward pass and the
+processor idle for the whole all-reduce. `OverlappedGradients` instead hooks every trainable
+parameter (`register_post_accumulate_grad_hook`): when the last gradient of a bucket is final,
+the bucket is packed into one flat tensor and its all-reduce starts asynchronously, while
+autograd goes on with the earlier layers. The optimizer's `apply` then only waits.
+
+Buckets follow the reverse order of the trainable weights (backward produces the last layers'
+gradients first), hold one dtype each, and are launched strictly in bucket order, so every
+worker issues the same collectives in the same order whatever autograd's timing. The first
+bucket is small (`FIRST_BUCKET_BYTES`) to start communicating early; the rest use the
+strategy's `bytes_per_pack`. A gradient that never arrives (a parameter the loss does not use)
+is sent as zeros when `apply` asks for the result, on every worker alike.
+
+The hooks act only while *armed*, i.e. inside a keras_mwms training step of an eager model:
+a user's own `backward()` elsewhere never starts a collective.
+
+Example (one process: nothing is distributed, so the reducer declines to arm):
+
+>>> import torch
+>>> from keras_mwms.backends.torch_overlap import OverlappedGradients
+>>> class Alone:
+...     distributed = False
+...     bucket_bytes = 1 << 20
+>>> weights = [torch.nn.Parameter(torch.ones(3))]
+>>> reducer = OverlappedGradients(Alone(), weights)
+>>> reducer.arm(rows=4)
+False
+>>> reducer.close()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from keras_mwms.backends.torch import TorchBackend
+
+FIRST_BUCKET_BYTES = 1 << 20
+
+
+def plan_buckets(sizes: Sequence[int], dtypes: Sequence, first_bytes: int, bytes_per_pack: int
+                 ) -> list[list[int]]:
+    """Groups parameter positions into launch buckets, last parameter first.
+
+    Example:
+
+    >>> plan_buckets([10, 10, 10, 10], ["f"] * 4, first_bytes=15, bytes_per_pack=25)
+    [[3, 2], [1, 0]]
+    >>> plan_buckets([4, 4, 4], ["f", "h", "h"], first_bytes=100, bytes_per_pack=100)
+    [[2, 1], [0]]
+    """
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for position in reversed(range(len(sizes))):
+        limit = first_bytes if not buckets else bytes_per_pack
+        if current and (size + sizes[position] > limit or dtypes[position] != dtypes[current[0]]):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(position)
+        size += sizes[position]
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class OverlappedGradients:
+    """All-reduces the gradients of `parameters` bucket by bucket as backward produces them.
+
+    Args:
+        backend: the `TorchBackend` (its process group, `bucket_bytes` and failure handling).
+        parameters: the model's trainable torch parameters, in `model.trainable_weights` order.
+    """
+
+    def __init__(self, backend: TorchBackend, parameters: Sequence[torch.nn.Parameter]):
+        self.backend = backend
+        self.parameters = list(parameters)
+        self.positions = {id(parameter): position for position, parameter in enumerate(self.parameters)}
+        self.buckets = plan_buckets(
+            [parameter.numel() * parameter.element_size() for parameter in self.parameters],
+            [parameter.dtype for parameter in self.parameters],
+            min(FIRST_BUCKET_BYTES, backend.bucket_bytes), backend.bucket_bytes)
+        self.bucket_of = {position: number for number, bucket in enumerate(self.buckets)
+                          for position in bucket}
+        self.armed = False
+        self._handles = [
+            parameter.register_post_accumulate_grad_hook(self._make_hook(position))
+            for position, parameter in enumerate(self.parameters)]
+        self._reset(rows=0)
+
+    def _make_hook(self, position: int):
+        def on_gradient_ready(parameter):
+            if self.armed:
+                self._ready(position)
+
+        return on_gradient_ready
+
+    def _reset(self, rows: int) -> None:
+        self.rows = rows
+        self.waiting = [len(bucket) for bucket in self.buckets]
+        self.flats: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self.works: list = [None] * len(self.buckets)
+        self.launched = 0
+
+    def arm(self, rows: int) -> bool:
+        """Starts a step on `rows` local rows; False (and stays idle) when not distributed."""
+        self._reset(rows)
+        self.armed = bool(self.backend.distributed) and bool(self.parameters)
+        return self.armed
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def covers(self, variables: Sequence) -> bool:
+        """Whether `variables` (Keras variables) are exactly the hooked parameters, in order."""
+        return (len(variables) == len(self.parameters)
+                and all(variable.value is parameter
+                        for variable, parameter in zip(variables, self.parameters)))
+
+    def _ready(self, position: int) -> None:
+        bucket = self.bucket_of[position]
+        self.waiting[bucket] -= 1
+        # In bucket order only: every worker must issue the same collectives in the same order.
+        while self.launched < len(self.buckets) and self.waiting[self.launched] == 0:
+            self._launch(self.launched)
+
+    def _launch(self, number: int) -> None:
+        pieces = []
+        for position in self.buckets[number]:
+            parameter = self.parameters[position]
+            grad = parameter.grad
+            if grad is None or self.rows == 0:
+                # An unused parameter, or an empty shard's dummy step: contribute nothing.
+                pieces.append(torch.zeros(parameter.numel(), dtype=parameter.dtype,
+                                          device=parameter.device))
+            else:
+                pieces.append(grad.detach().reshape(-1))
+        with torch.no_grad():
+            flat = torch.cat(pieces)
+        with self.backend.guarded("gradient all-reduce"):
+            self.works[number] = dist.all_reduce(flat, async_op=True)
+        self.flats[number] = flat
+        self.launched = number + 1
+
+    def finish(self) -> list[torch.Tensor]:
+        """Launches what backward left, waits for every bucket; the summed gradients, in order."""
+        self.armed = False
+        while self.launched < len(self.buckets):
+            self._launch(self.launched)
+        summed: list[torch.Tensor | None] = [None] * len(self.parameters)
+        with self.backend.guarded("gradient all-reduce"):
+            for number, bucket in enumerate(self.buckets):
+                self.works[number].wait()
+                flat, offset = self.flats[number], 0
+                for position in bucket:
+                    parameter = self.parameters[position]
+                    summed[position] = flat[offset:offset + parameter.numel()].view_as(parameter)
+                    offset += parameter.numel()
+        self._reset(rows=0)
+        return summed  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Removes the hooks (a new plan is made when the trainable weights change)."""
+        self.armed = False
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
