@@ -103,3 +103,29 @@ def listen_on(host: str, port: int) -> socket.socket | None:
         raise
     listener.listen(128)
     return listener
+
+
+def wait_until_accepting(host: str, port: int, timeout: float, interval: float = 0.05) -> bool:
+    """Polls `host:port` with plain TCP connects until one succeeds; False after `timeout` s.
+
+    A client engine started before its server listens (torch's TCPStore) logs a warning with a
+    C++ stack trace on every retry; waiting here first keeps worker logs clean. The probe
+    connection is closed at once without sending anything, which servers ignore.
+
+    Example:
+
+    >>> with socket.socket() as server:
+    ...     server.bind(("127.0.0.1", 0)); server.listen(1)
+    ...     wait_until_accepting("127.0.0.1", server.getsockname()[1], timeout=5)
+    True
+    """
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(OSError):
+            with socket.create_connection((host.strip("[]"), port), timeout=max(0.1, interval * 20)):
+                return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)

@@ -222,6 +222,10 @@ class TorchBackend(Backend):
         host is not an address of this machine (NAT, a service name) torch binds as usual.
         """
         listener = network.listen_on(host, port) if self.worker_index == 0 else None
+        if self.worker_index != 0:
+            # Connect only once the chief's store listens: torch's client logs a warning with a
+            # C++ stack trace for every refused attempt. On timeout the store reports it below.
+            network.wait_until_accepting(host, port, self.timeout_seconds)
         # The store owns the descriptor from here on; Python must not close it.
         listen_fd = listener.detach() if listener is not None else None
         return dist.TCPStore(host.strip("[]"), port, self.num_workers, self.worker_index == 0,
