@@ -239,8 +239,11 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
         trainable, optimizer_variables = optimizer.stateless_apply(optimizer_variables, grads, trainable)
         return trainable, non_trainable, optimizer_variables
 
-    local_jit = jax.jit(local_part)
-    apply_jit = jax.jit(apply_part, donate_argnums=(0, 1, 2))
+    # Everything committed to this worker's device: otherwise the first steps (variables fresh
+    # from numpy are "uncommitted", step outputs are "committed") compile the step three times.
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    local_jit = jax.jit(local_part, in_shardings=device, out_shardings=device)
+    apply_jit = jax.jit(apply_part, donate_argnums=(0, 1, 2), in_shardings=device, out_shardings=device)
 
     def train_step(state, data):
         trainable, non_trainable, optimizer_variables, metrics = state

@@ -274,7 +274,8 @@ def _make_test_function(self, force=False):
 
     test_step = self.test_step
     if not self.run_eagerly and self.jit_compile:
-        test_step = jax.jit(self.test_step, donate_argnums=0)
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # one compile (see jax_flat)
+        test_step = jax.jit(self.test_step, donate_argnums=0, in_shardings=device, out_shardings=device)
     self.test_function = self._make_function(jax_flat.skip_empty_test_step(self, test_step))
 
 
