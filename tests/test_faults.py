@@ -167,7 +167,7 @@ LATE_SECONDS = 30
 # The late worker still has to import its backend after its 30 s sleep: on a loaded 2-core CI
 # box that took up to 60 s, so the chief waits up to 120 s (a 60 s timeout flaked here).
 LATE_RENDEZVOUS_TIMEOUT = 120
-NAN_BACKENDS = ("tensorflow", "torch")   # JAX: see test_nan_loss_on_jax_is_not_yet_global
+NAN_BACKENDS = BACKENDS
 
 
 MISMATCHED_BACKENDS = (("tensorflow", "jax"), ("jax", "torch"), ("torch", "tensorflow"))
@@ -236,6 +236,7 @@ def test_tf_config_changed_after_the_strategy_warns_at_fit(startup_runs, backend
 
 @pytest.mark.slow
 @pytest.mark.tensorflow
+@pytest.mark.jax
 @pytest.mark.torch
 @pytest.mark.parametrize("backend", NAN_BACKENDS)
 def test_nan_loss_on_one_worker_stops_every_worker_at_the_same_step(startup_runs, backend):
@@ -249,13 +250,6 @@ def test_nan_loss_on_one_worker_stops_every_worker_at_the_same_step(startup_runs
         np.testing.assert_array_equal(first, second)   # NaN == NaN here: identical bits
     record("NaN loss on worker 1", observed, observed.started, None,
            "both stopped at batch 3, weights identical")
-
-
-@pytest.mark.jax
-@pytest.mark.skip(reason="JAX batch logs are local: worker 1 stops at batch 3, worker 0 at batch 4, "
-                         "then both hang in the next collective (issue 9 report; fix in backends/jax*)")
-def test_nan_loss_on_jax_is_not_yet_global():
-    pass
 
 
 @pytest.mark.slow
@@ -298,9 +292,9 @@ def test_mismatched_backends_fail_fast_naming_the_field(startup_runs, pair):
 def survivor_outcome(observed: Observed, backend: str) -> str:
     """Asserts that worker 0 named its lost peer, worker 1; returns how, for the table.
 
-    Known gap on JAX (issue 9 report): JAX's coordination service aborts the survivor (SIGABRT)
-    when a peer stops heartbeating, or when a raising peer fails the shutdown barrier, before
-    keras_mwms can raise its `WorkerLostError`. Then only JAX's own words name the task.
+    Known gap on JAX (issue 9 report): JAX's coordination service may abort the survivor
+    (SIGABRT) when a peer stops heartbeating, before keras_mwms can raise its `WorkerLostError`.
+    Then only JAX's own words name the task.
     """
     output = observed.lines(0)
     if "lost worker 1 (worker:1 at" in output:
@@ -315,7 +309,7 @@ def survivor_outcome(observed: Observed, backend: str) -> str:
 
 
 # -- training -----------------------------------------------------------------------------
-UNEVEN_BACKENDS = ("tensorflow", "torch")   # JAX: see test_uneven_data_on_jax_is_not_yet_checked
+UNEVEN_BACKENDS = BACKENDS
 STOPPED_BACKENDS = ("tensorflow", "jax")   # torch: test_backend_torch.py::test_hung_peer_...
 
 
@@ -351,6 +345,9 @@ def test_callback_raising_on_one_worker_stops_every_worker(training_runs, backen
     assert all(code not in (0, None) for code in observed.codes.values()), observed.log()
     assert "injected failure in a callback on worker 1" in observed.result(1)["error"], observed.log()
     outcome = survivor_outcome(observed, backend)
+    # JAX too: the raising worker leaves without JAX's shutdown barrier, so the survivor's
+    # collective fails at once and it names the lost worker.
+    assert outcome == "survivor: WorkerLostError names worker 1", observed.log()
     seconds = record("raise in callback, worker 1", observed, observed.fault_time(),
                      TRAINING_FAULT_BOUND, outcome)
     assert seconds <= TRAINING_FAULT_BOUND, observed.log()
@@ -359,6 +356,7 @@ def test_callback_raising_on_one_worker_stops_every_worker(training_runs, backen
 
 @pytest.mark.slow
 @pytest.mark.tensorflow
+@pytest.mark.jax
 @pytest.mark.torch
 @pytest.mark.parametrize("backend", UNEVEN_BACKENDS)
 def test_uneven_arrays_are_a_clear_error_on_every_worker(training_runs, backend):
@@ -374,13 +372,6 @@ def test_uneven_arrays_are_a_clear_error_on_every_worker(training_runs, backend)
     TABLE.append({"case": "uneven arrays, worker 1", "backend": backend, "seconds": round(seconds, 1),
                   "bound": TRAINING_FAULT_BOUND, "outcome": "ValueError on both before step 1 "
                   "(time to the error; the run then continued)", "exit_codes": {}})
-
-
-@pytest.mark.jax
-@pytest.mark.skip(reason="JAX: uneven arrays hang both workers (no row-count check yet; issue 9 "
-                         "report describes the fix for backends/jax*)")
-def test_uneven_data_on_jax_is_not_yet_checked():
-    pass
 
 
 @pytest.mark.slow

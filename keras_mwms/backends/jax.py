@@ -152,6 +152,8 @@ class JaxBackend(Backend):
         self._lost: str | None = None
         self._path = "single"
         self._collectives = None
+        self.failed: str | None = None   # set by jax_patches when fit/evaluate/predict raised
+        self.lost_error_type = WorkerLostError
 
     # -- identity -------------------------------------------------------------------------
     @staticmethod
@@ -190,9 +192,13 @@ class JaxBackend(Backend):
                 initialization_timeout=int(max(10, self.collective_timeout_seconds)),
                 heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_SECONDS,
                 shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_SECONDS,
+                coordinator_bind_address=self._coordinator_bind_address(),
             )
+            if self._engine == "gloo":
+                self._bind_gloo_to_tf_config_host()   # before the first jax.devices()
             # Registered after jax.distributed's own atexit hook, so it runs first (LIFO) and can
-            # leave without JAX's shutdown barrier once a peer is known to be gone.
+            # leave without JAX's shutdown barrier once a peer is known to be gone, or when
+            # fit/evaluate/predict raised on this worker only (`failed`).
             atexit.register(self._exit_now_if_lost)
             self._publish_identity()
         import keras
@@ -222,6 +228,55 @@ class JaxBackend(Backend):
         jax_patches.install(self)
         self._joined = True
 
+    def _coordinator_bind_address(self) -> str | None:
+        """The chief's `TF_CONFIG` host:port for JAX's coordination service, when that host is an
+        address of this machine (JAX's default is `[::]:PORT`, every interface); None (JAX's
+        default) for a NAT or service name that no local interface holds."""
+        from keras_mwms import network
+        from keras_mwms.cluster import split_address
+
+        if self.worker_index != 0:
+            return None
+        host, port = split_address(self.resolver.worker_addresses[0])
+        if network.interface_of(host) is None:
+            return None
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def _bind_gloo_to_tf_config_host(self) -> None:
+        """JAX's gloo listens on, and advertises to its peers, the address of this machine's host
+        name (often 127.0.0.1, unreachable from other machines). Use this worker's `TF_CONFIG`
+        host instead when it is an address of this machine.
+
+        jax 0.10 has no public option for gloo's hostname: this builds the CPU client the way
+        `xla_bridge` does, with `make_gloo_tcp_collectives(hostname=...)`. Private JAX API, so a
+        JAX without it keeps its default (with a warning) instead of failing.
+        """
+        from keras_mwms import network
+        from keras_mwms.cluster import split_address
+
+        own_host = split_address(self.resolver.worker_addresses[self.worker_index])[0]
+        if network.interface_of(own_host) is None:
+            return
+        try:
+            from jax._src import distributed, xla_bridge
+            from jax._src.lib import _jax
+
+            make_collectives = _jax.make_gloo_tcp_collectives
+            make_cpu_client = xla_bridge.make_cpu_client
+            register = xla_bridge.register_backend_factory
+        except (ImportError, AttributeError) as error:
+            warnings.warn(f"keras_mwms could not bind JAX's gloo to {own_host} (JAX {self.version()} "
+                          f"changed its private API: {error}); gloo uses the host name's address.",
+                          stacklevel=3)
+            return
+
+        def make_bound_cpu_client():
+            collectives = make_collectives(distributed_client=distributed.global_state.client,
+                                           hostname=own_host)
+            return make_cpu_client(collectives=collectives)
+
+        register("cpu", make_bound_cpu_client, priority=0, fail_quietly=False)
+
     def leave(self) -> None:
         import jax
 
@@ -235,8 +290,8 @@ class JaxBackend(Backend):
             import keras
 
             keras.distribution.set_distribution(None)
-        if self.num_workers > 1 and self._lost is None:
-            jax.distributed.shutdown()
+        if self.num_workers > 1 and self._lost is None and self.failed is None:
+            jax.distributed.shutdown()   # (after a failure the exit hook leaves without it)
 
     # -- replicas -------------------------------------------------------------------------
     @property
@@ -589,6 +644,16 @@ class JaxBackend(Backend):
         raise WorkerLostError(message) from error
 
     def _exit_now_if_lost(self) -> None:
+        if self._lost is None and self.failed is not None:
+            # fit/evaluate/predict raised here (e.g. in a callback) and the caller did not recover:
+            # JAX's shutdown barrier would hold this exit ~20 s while the peers wait in their next
+            # collective and then abort without a name. Leaving now closes the gloo connections,
+            # so every peer raises WorkerLostError naming this worker at once.
+            print(f"keras_mwms: worker {self.worker_index} exits without JAX's shutdown barrier "
+                  f"after {self.failed}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
         if self._lost is not None:
             if self.is_chief:
                 # The chief hosts JAX's coordination service; leaving at once would make the other

@@ -189,55 +189,84 @@ def _dummy_batch(x, y, sample_weight):
     return tree.map_structure(zero_row, x), tree.map_structure(zero_row, y), np.zeros((1,), np.float32)
 
 
-def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[Callable], Any]):
+def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[Callable], Any],
+                         all_gather: Callable[[np.ndarray], np.ndarray]):
     """Keras' `train_step(state, data)` for `model`, split around one flat all-reduce per dtype.
 
-    `guard(call)` runs the collective and turns a lost peer into `WorkerLostError`.
+    The step returns GLOBAL batch logs: summed metric states ride in the same all-reduce as the
+    gradients, other states (max/min/first) are all-gathered. `guard(call)` runs a collective
+    and turns a lost peer into `WorkerLostError`; `all_gather` stacks host arrays of all workers.
     """
     import jax
     import jax.numpy as jnp
     from keras.src.trainers.data_adapters import data_adapter_utils
 
     optimizer = model.optimizer
-    dtypes = list(dict.fromkeys(str(v.dtype) for v in model.trainable_variables))
+    statistics = _batch_norm_statistics_indices(model)
+    # Metric states summed across workers ride in the gradient all-reduce (batch logs are then
+    # global at no extra collective); max/min/first states, if any, take one all-gather per step.
+    reductions = [metric_reduction(metric, variable) for metric in model.metrics for variable in metric.variables]
+    summed = [i for i, op in enumerate(reductions) if op == "sum"]
+    gathered = [i for i, op in enumerate(reductions) if op != "sum"]
+    metric_dtypes = [str(variable.dtype) for variable in model.metrics_variables]
+    dtypes = list(dict.fromkeys([str(v.dtype) for v in model.trainable_variables]
+                                + [metric_dtypes[i] for i in summed]))
     if "float32" not in dtypes:
         dtypes.append("float32")  # carries the row count
-    statistics = _batch_norm_statistics_indices(model)
 
     def local_part(trainable, non_trainable, optimizer_variables, metrics, x, y, sample_weight, rows):
         grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
         (_, aux), grads = grad_fn(trainable, non_trainable, metrics, x, y, sample_weight, training=True,
                                   optimizer_variables=optimizer_variables)
-        unscaled_loss, y_pred, non_trainable, metrics = aux
-        logs, metrics = model._update_metrics_variables(metrics, unscaled_loss, x, y, y_pred, sample_weight)
+        unscaled_loss, y_pred, non_trainable, new_metrics = aux
+        logs, new_metrics = model._update_metrics_variables(new_metrics, unscaled_loss, x, y, y_pred,
+                                                            sample_weight)
+        # A worker with no rows ran on a dummy row: its metric states must not count it.
+        metrics = [jnp.where(rows > 0, new, old) for new, old in zip(new_metrics, metrics)]
         pieces: dict[str, list] = {dtype: [] for dtype in dtypes}
         for grad in grads:
             pieces[str(grad.dtype)].append((grad * rows.astype(grad.dtype)).ravel())
         for i in statistics:
             value = non_trainable[i]
             pieces[str(value.dtype)].append((value * rows.astype(value.dtype)).ravel())
+        for i in summed:
+            pieces[str(metrics[i].dtype)].append(jnp.ravel(metrics[i]))
         pieces["float32"].append(rows.reshape(1))
         payloads = tuple(jnp.concatenate(pieces[dtype]) for dtype in dtypes)
-        return payloads, non_trainable, metrics, logs
+        return payloads, non_trainable, metrics, logs, [metrics[i] for i in gathered]
 
-    def apply_part(trainable, non_trainable, optimizer_variables, sums):
+    def apply_part(trainable, non_trainable, optimizer_variables, metrics, sums, reduced_gathered):
         by_dtype = dict(zip(dtypes, sums))
         total_rows = by_dtype["float32"][-1]
         offsets = dict.fromkeys(dtypes, 0)
 
-        def take(like):
+        def take(like, scale=True):
             dtype = str(like.dtype)
             start = offsets[dtype]
             offsets[dtype] = start + like.size
             flat = by_dtype[dtype][start:start + like.size]
-            return (flat / total_rows.astype(flat.dtype)).reshape(like.shape)
+            if scale:
+                flat = flat / total_rows.astype(flat.dtype)
+            return flat.reshape(like.shape)
 
         grads = [take(variable) for variable in trainable]
         non_trainable = list(non_trainable)
         for i in statistics:
             non_trainable[i] = take(non_trainable[i])
+        global_metrics = list(metrics)
+        for i in summed:
+            global_metrics[i] = take(metrics[i], scale=False)
+        for i, value in zip(gathered, reduced_gathered):
+            global_metrics[i] = value.astype(metrics[i].dtype).reshape(metrics[i].shape)
         trainable, optimizer_variables = optimizer.stateless_apply(optimizer_variables, grads, trainable)
-        return trainable, non_trainable, optimizer_variables
+        return trainable, non_trainable, optimizer_variables, global_results(global_metrics)
+
+    def global_results(global_metrics):
+        """Metric results from the all-worker state (the local state itself stays local)."""
+        from keras.src.backend.common.stateless_scope import StatelessScope
+
+        with StatelessScope(state_mapping=list(zip(model.metrics_variables, global_metrics))):
+            return model.get_metrics_result()
 
     # Everything committed to this worker's device: otherwise the first steps (variables fresh
     # from numpy are "uncommitted", step outputs are "committed") compile the step three times.
@@ -251,14 +280,28 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
         rows = _rows_of(x)
         if rows == 0:
             x, y, sample_weight = _dummy_batch(x, y, sample_weight)
-        payloads, new_non_trainable, new_metrics, logs = local_jit(
+        payloads, new_non_trainable, new_metrics, logs, local_gathered = local_jit(
             trainable, non_trainable, optimizer_variables, metrics, x, y, sample_weight, np.float32(rows))
         sums = guard(lambda: [collectives.all_reduce_sum(payload) for payload in payloads])
-        trainable, new_non_trainable, optimizer_variables = apply_jit(
-            trainable, new_non_trainable, optimizer_variables, sums)
-        if rows == 0:
-            new_metrics = metrics  # the dummy row must not count
+        reduced = guard(lambda: reduce_gathered(local_gathered)) if gathered else []
+        trainable, new_non_trainable, optimizer_variables, global_logs = apply_jit(
+            trainable, new_non_trainable, optimizer_variables, new_metrics, sums, reduced)
+        # Batch logs are global, as on TensorFlow and torch: callbacks that stop on a logged value
+        # (TerminateOnNaN, a batch-level EarlyStopping) decide alike on every worker. Local logs
+        # let one worker stop a step early and the others hang in the next collective.
+        if not logs or set(logs) == set(global_logs):
+            logs = global_logs
         return logs, (trainable, new_non_trainable, optimizer_variables, new_metrics)
+
+    def reduce_gathered(values):
+        flat = np.concatenate([np.asarray(value, np.float64).ravel() for value in values])
+        parts = all_gather(flat)
+        out, offset = [], 0
+        for i, value in zip(gathered, values):
+            size = int(np.size(value))
+            out.append(_reduce_parts(parts[:, offset:offset + size], reductions[i]))
+            offset += size
+        return out
 
     return train_step
 
@@ -296,6 +339,20 @@ def metric_reduction(metric, variable) -> str:
     return "sum"
 
 
+def _reduce_parts(parts: np.ndarray, op: str) -> np.ndarray:
+    """Combines the workers' rows of `parts` (worker order, so every worker gets the same bits)."""
+    if op == "first":
+        return parts[0]
+    if op == "max":
+        return parts.max(axis=0)
+    if op == "min":
+        return parts.min(axis=0)
+    value = parts[0].copy()
+    for part in parts[1:]:
+        value = value + part
+    return value
+
+
 class global_metric_state:
     """Context: the model's metric variables hold the global (all-worker) state, then local again.
 
@@ -319,17 +376,7 @@ class global_metric_state:
                 size = self.saved[i].size
                 parts = gathered[:, offset:offset + size]
                 offset += size
-                op = metric_reduction(*pairs[i])
-                if op == "first":
-                    value = parts[0]
-                elif op == "max":
-                    value = parts.max(axis=0)
-                elif op == "min":
-                    value = parts.min(axis=0)
-                else:
-                    value = parts[0].copy()
-                    for part in parts[1:]:
-                        value = value + part
+                value = _reduce_parts(parts, metric_reduction(*pairs[i]))
                 pairs[i][1].assign(value.reshape(self.saved[i].shape).astype(dtype))
         return self
 

@@ -259,7 +259,8 @@ def _make_train_function(self, force=False):
     if self.train_function is not None and not force:
         return
     step = jax_flat.make_flat_train_step(
-        self, backend.collectives, lambda call: _reporting_lost_workers(backend, "gradient all-reduce", call))
+        self, backend.collectives, lambda call: _reporting_lost_workers(backend, "gradient all-reduce", call),
+        backend.all_gather)
     self.train_function = self._make_function(step)
 
 
@@ -292,6 +293,26 @@ def _get_metrics_result_or_logs(self, logs):
     return logs
 
 
+def _check_same_rows(backend, x, what: str) -> None:
+    """Every worker must pass arrays of one length; else a clear error everywhere (one all-reduce).
+
+    Different lengths give workers different step counts: the next collective would wait
+    forever for the worker that already stopped, so it is caught before the first step.
+    """
+    from keras_mwms.data import leading_rows, uneven_rows_error
+
+    if backend.num_workers == 1:
+        return
+    rows = leading_rows(x)
+    mine = np.zeros(backend.num_workers, dtype=np.int32)
+    mine[backend.worker_index] = 0 if rows is None else rows + 1   # 0 encodes "not arrays"
+    everyone = _reporting_lost_workers(backend, "row-count check", lambda: backend.all_reduce_sum(mine))
+    error = uneven_rows_error([int(value) - 1 if value else None for value in everyone.tolist()],
+                              backend.worker_index, what)
+    if error is not None:
+        raise error
+
+
 def _quiet_unless_chief(backend, verbose):
     return verbose if backend.is_chief else 0
 
@@ -302,6 +323,21 @@ def _reporting_lost_workers(backend, where, call):
     except Exception as error:  # noqa: BLE001 - jaxlib's runtime errors have no stable public type
         backend.raise_if_worker_lost(error, where)
         raise
+
+
+def _running_user_code(backend, where, call):
+    """`fit`/`evaluate`/`predict`: a lost peer becomes `WorkerLostError`; any other exception
+    marks this worker as failed, so its interpreter exit skips JAX's shutdown barrier and the
+    peers learn at once which worker is gone (`JaxBackend.exit_now_if_failed`). A later call
+    that returns cleanly (the caller handled the error) clears the mark."""
+    try:
+        result = _reporting_lost_workers(backend, where, call)
+    except Exception as error:
+        if backend.num_workers > 1 and not isinstance(error, backend.lost_error_type):
+            backend.failed = f"{type(error).__name__} in {where}"
+        raise
+    backend.failed = None
+    return result
 
 
 def _fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
@@ -321,6 +357,7 @@ def _fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
     facade = strategy.get_strategy()
     if facade is not None:
         facade.check_tf_config_unchanged()
+    _check_same_rows(backend, x, "model.fit()")
     if validation_split and validation_data is None:
         (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
             (x, y, sample_weight), validation_split=validation_split)
@@ -334,7 +371,7 @@ def _fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
         validation_data = (_adapter_for(backend, val_x, val_y, val_sample_weight,
                                         validation_batch_size or batch_size, validation_steps, placer=placer),)
     with _model_context(backend, self, path):
-        return _reporting_lost_workers(backend, "model.fit", lambda: original(
+        return _running_user_code(backend, "model.fit", lambda: original(
             self, train, None, None, epochs, _quiet_unless_chief(backend, verbose), callbacks, 0.0,
             validation_data, False, None, None, initial_epoch, steps_per_epoch, validation_steps, None,
             validation_freq))
@@ -347,10 +384,11 @@ def _evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weig
     if backend is None:
         return original(self, x, y, batch_size, verbose, sample_weight, steps, callbacks, return_dict,
                         **kwargs)
+    _check_same_rows(backend, x, "model.evaluate()")
     path = path_for(backend, self)
     data = _adapter_for(backend, x, y, sample_weight, batch_size, steps, placer=_placer(backend, path))
     with _model_context(backend, self, path):
-        return _reporting_lost_workers(backend, "model.evaluate", lambda: original(
+        return _running_user_code(backend, "model.evaluate", lambda: original(
             self, data, None, None, _quiet_unless_chief(backend, verbose), None, steps, callbacks,
             return_dict, **kwargs))
 
@@ -365,7 +403,7 @@ def _predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=Non
     placer = _placer(backend, "full" if path == jax_flat.FLAT else path)
     data = _adapter_for(backend, x, None, None, batch_size, steps, placer=placer)
     with _model_context(backend, self, path):
-        return _reporting_lost_workers(backend, "model.predict", lambda: original(
+        return _running_user_code(backend, "model.predict", lambda: original(
             self, data, None, _quiet_unless_chief(backend, verbose), steps, callbacks))
 
 
