@@ -35,11 +35,7 @@ GRACE_AFTER_FAILURE = 60  # how long the other worker may take to notice a faile
 EQUIVALENCE_TOLERANCE = 1e-5
 BACKENDS = [
     pytest.param("tensorflow", marks=pytest.mark.tensorflow),
-    # Not run until keras_mwms/backends/jax.py binds gloo to the TF_CONFIG host (issue 9): the
-    # failing run costs ~90 s. Remove the xfail mark with that change.
-    pytest.param("jax", marks=[pytest.mark.jax, pytest.mark.xfail(
-        run=False, reason="JAX's gloo advertises the host name's address (127.0.0.1 here) to its peer, "
-        "who cannot connect; needs jax.py to create gloo with hostname=<TF_CONFIG host>")]),
+    pytest.param("jax", marks=pytest.mark.jax),
     pytest.param("torch", marks=pytest.mark.torch),
 ]
 
