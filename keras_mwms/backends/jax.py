@@ -11,7 +11,7 @@ Start-up (after keras_mwms' rendezvous, before any JAX computation):
    * **flat** (default with one device per worker): ordinary local variables, identical on
      every worker; Keras' train step split around ONE flat all-reduce of the gradients per
      step, outside Keras' jit — 1.4–6× cheaper than XLA's fused all-reduce on CPU gloo.
-     Metric states are all-reduced when logs are computed. A model the flat path cannot run
+     Batch logs are global (metric states ride in the gradient all-reduce). A model the flat path cannot run
      exactly (BatchNormalization, an own `train_step`) trains on the DataParallel path instead;
    * **dataparallel** (several local devices, or asked for): a `keras.distribution.DataParallel`
      over `jax.devices()` — all devices of all workers, so `jax_num_cpu_devices=2` on 2 workers
@@ -22,8 +22,11 @@ Start-up (after keras_mwms' rendezvous, before any JAX computation):
 What Keras 3.15.1 lacks on these paths is patched in `keras_mwms.backends.jax_patches`:
 initial values broadcast from the chief (workers may seed differently), numpy / tf.data /
 PyDataset input cut by keras_mwms into global batches (`jax_data`), `predict` returning the
-full ordered output, the chief-only progress bar, and a clear `WorkerLostError` naming the
-lost worker when a peer dies, followed by a bounded exit instead of JAX's shutdown hang.
+full ordered output, the chief-only progress bar, uneven array inputs as a clear error on every
+worker, and a clear `WorkerLostError` naming the lost worker when a peer dies, followed by a
+bounded exit instead of JAX's shutdown hang. A worker whose `fit`/`evaluate`/`predict` raised
+(e.g. in a callback) exits without JAX's shutdown barrier (exit code 1), so its peers name it
+at once. The coordinator and gloo bind the `TF_CONFIG` hosts (README's bind table).
 """
 
 from __future__ import annotations

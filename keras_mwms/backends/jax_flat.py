@@ -14,9 +14,11 @@ and Keras' train step is split in three:
 3. a jitted **apply**: divides by the global row count (the exact global-batch gradient even
    for uneven shards) and runs `optimizer.stateless_apply`.
 
-Metrics are updated locally and their states are all-reduced whenever Keras computes results
-for the logs (end of every epoch, end of `evaluate`), so History and callbacks see global
-values everywhere. BatchNormalization moving statistics ride along in the flat vector (weighted
+Metrics are updated locally; the summed metric states ride in the step's gradient all-reduce
+(max/min/first states take one all-gather), so every step returns GLOBAL batch logs and
+callbacks that stop on a logged value (TerminateOnNaN) decide alike on every worker. The local
+states are also combined whenever Keras computes results for the logs (end of every epoch, end
+of `evaluate`), so History and callbacks see global values everywhere. BatchNormalization moving statistics ride along in the flat vector (weighted
 by rows), so they never drift apart; the batch statistics themselves are per worker, which is
 why `auto` sends models with BatchNormalization (and models with their own `train_step`) to the
 DataParallel path, where XLA computes them over the global batch exactly as one process.
