@@ -165,8 +165,8 @@ def any_line(observed: Observed, worker: int, *needles: str) -> bool:
 # -- start-up -----------------------------------------------------------------------------
 LATE_SECONDS = 30
 # The late worker still has to import its backend after its 30 s sleep: on a loaded 2-core CI
-# box that took up to 60 s, so the chief waits up to 120 s (a 60 s timeout flaked here).
-LATE_RENDEZVOUS_TIMEOUT = 120
+# box that took up to 60 s, after the chief is already waiting, so the chief waits up to 180 s.
+LATE_RENDEZVOUS_TIMEOUT = 180
 NAN_BACKENDS = BACKENDS
 
 

@@ -4,7 +4,8 @@
 
 Start-up faults (before or around the strategy):
 
-* `--late-worker I --late-seconds S`: worker I sleeps S seconds before it imports anything;
+* `--late-worker I --late-seconds S`: worker I waits until the chief is in the rendezvous, then
+  S seconds more, before it imports anything (so the chief waits at least S seconds);
 * `--extra-host HOST:PORT`: a worker that does not exist (e.g. `no-such-host.invalid:1`) is
   appended to the cluster in TF_CONFIG, so the live workers must name it;
 * `--change-tf-config`: TF_CONFIG is changed after the strategy was created (fit must warn).
@@ -71,7 +72,14 @@ def main() -> None:
     os.makedirs(arguments.out, exist_ok=True)
     index = tf_config_index()
     if arguments.late_worker == index:
-        print(f"worker {index} starts {arguments.late_seconds:.0f} s late", flush=True)
+        # Late relative to the chief, whatever the import times: wait until the chief is in the
+        # rendezvous (its port accepts), then S seconds more, and only then import anything.
+        from keras_mwms.cluster import split_address
+        from keras_mwms.network import wait_until_accepting
+
+        chief = json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"][0]
+        wait_until_accepting(*split_address(chief), timeout=300)
+        print(f"worker {index} starts {arguments.late_seconds:.0f} s after the chief", flush=True)
         time.sleep(arguments.late_seconds)
     if arguments.extra_host:
         config = json.loads(os.environ["TF_CONFIG"])
