@@ -73,7 +73,7 @@ def test_workers_end_bit_identical_and_equal_one_process(equivalence_run):
     for index in range(1, workers):
         assert max_weight_difference(load_weights(gang, index), first) == 0.0
     delta = max_weight_difference(first, load_weights(equivalence_run["single"], 0))
-    print(f"max|Δw| vs one process ({workers} workers): {delta:.3g}")
+    print(f"max|Δw| vs one process ({equivalence_run['name']}, {workers} workers): {delta:.3g}")
     assert delta <= EQUIVALENCE_TOLERANCE
 
 

@@ -56,6 +56,7 @@ class Scenario:
         self.out = os.path.join(out, name)
         self.reference_out = os.path.join(reference_out, name)
         self.workers = workers
+        self.name = name
 
     def weights(self, index: int):
         return common.load_weights(self.out, index)
@@ -136,7 +137,7 @@ def _assert_bit_identical(scenario):
 
 def _assert_equivalent(scenario, tolerance):
     delta = common.max_weight_difference(scenario.weights(0), scenario.reference_weights())
-    print(f"max|Δw| vs one process: {delta:.3g}")
+    print(f"max|Δw| vs one process ({scenario.name}, {scenario.workers} workers): {delta:.3g}")
     assert delta <= tolerance
 
 
@@ -235,6 +236,46 @@ def test_gradients_reduce_during_backward_in_eager_gangs_only(sgd_arrays, two_wo
     assert sgd_arrays.reference_result()["overlap_buckets"] == 0   # one process: nothing to reduce
     jit = Scenario(two_workers_dir, reference_dir, "jit", 2)
     assert jit.result(0)["overlap_buckets"] == 0                   # torch.compile'd step: after it
+
+
+@pytest.mark.slow
+def test_metric_states_ride_in_the_gradient_all_reduce(sgd_arrays, dataloader_batchnorm,
+                                                       two_workers_dir, reference_dir):
+    """Eager gangs sum metric states with the gradients: no metric all-reduce of their own."""
+    for scenario in (sgd_arrays, dataloader_batchnorm):   # the latter with empty shards
+        for index in range(scenario.workers):
+            result = scenario.result(index)
+            assert result["metric_states_in_gradient_bucket"] == result["optimizer_iterations"]
+    jit = Scenario(two_workers_dir, reference_dir, "jit", 2)
+    assert jit.result(0)["metric_states_in_gradient_bucket"] == 0
+
+
+@pytest.mark.slow
+def test_adam_runs_fused_in_eager_steps(tfdata_adam, pydataset_adam_3):
+    for scenario in (tfdata_adam, pydataset_adam_3):
+        for index in range(scenario.workers):
+            result = scenario.result(index)
+            assert result["fused_adam_steps"] == result["optimizer_iterations"] > 0
+        assert scenario.reference_result()["fused_adam_steps"] > 0   # one process in scope too
+
+
+def test_fused_adam_matches_keras_adam():
+    """One process: Keras' torch Adam/AdamW and the fused kernel on identical gradients."""
+    env = dict(os.environ, **worker_env("torch"))
+    env.pop("TF_CONFIG", None)
+    completed = subprocess.run([sys.executable, str(REPO / "tests" / "workers" / "fused_adam_check.py")],
+                               env=env, capture_output=True, text=True, timeout=GANG_TIMEOUT)
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+    line = next(line for line in completed.stdout.splitlines() if line.startswith("RESULT "))
+    report = json.loads(line[len("RESULT "):])
+    for name in ("adam", "adam_schedule", "adamw"):
+        print(f"fused vs Keras {name}: max|Δw| {report[name]['delta']:.3g} "
+              f"(weights moved {report[name]['moved']:.3g})")
+        assert report[name]["fused"]
+        assert report[name]["moved"] > 1e-2
+        assert report[name]["delta"] <= 1e-5 * max(1.0, report[name]["moved"])
+    assert not report["adam_amsgrad"]["fused"]          # amsgrad keeps Keras' own update
+    assert report["adam_amsgrad"]["delta"] == 0.0
 
 
 @pytest.mark.slow

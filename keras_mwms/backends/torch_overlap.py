@@ -17,6 +17,11 @@ is sent as zeros when `apply` asks for the result, on every worker alike.
 The hooks act only while *armed*, i.e. inside a keras_mwms training step of an eager model:
 a user's own `backward()` elsewhere never starts a collective.
 
+Small per-step values that must be summed too (the row counts, BatchNormalization moving
+statistics, metric states) can ride in the last bucket: `arm(rows, extras=fn)` calls `fn()` when
+that bucket launches and `finish()` hands back their sums, so a step needs no separate
+latency-bound all-reduce for them.
+
 Example (one process: nothing is distributed, so the reducer declines to arm):
 
 >>> import torch
@@ -51,8 +56,8 @@ def plan_buckets(sizes: Sequence[int], dtypes: Sequence, first_bytes: int, bytes
 
     Example:
 
-    >>> plan_buckets([10, 10, 10, 10], ["f"] * 4, first_bytes=15, bytes_per_pack=25)
-    [[3, 2], [1, 0]]
+    >>> plan_buckets([10, 10, 10, 10], ["f"] * 4, first_bytes=10, bytes_per_pack=30)
+    [[3], [2, 1, 0]]
     >>> plan_buckets([4, 4, 4], ["f", "h", "h"], first_bytes=100, bytes_per_pack=100)
     [[2, 1], [0]]
     """
@@ -102,16 +107,25 @@ class OverlappedGradients:
 
         return on_gradient_ready
 
-    def _reset(self, rows: int) -> None:
+    def _reset(self, rows: int, extras=None) -> None:
         self.rows = rows
+        self.extras = extras
         self.waiting = [len(bucket) for bucket in self.buckets]
         self.flats: list[torch.Tensor | None] = [None] * len(self.buckets)
         self.works: list = [None] * len(self.buckets)
         self.launched = 0
+        # Extras: the tensors `extras()` returned, and per flat collective the extra positions
+        # it carries: (flat, work, offset into flat, positions).
+        self.extra_tensors: list[torch.Tensor] = []
+        self.extra_parts: list = []
 
-    def arm(self, rows: int) -> bool:
-        """Starts a step on `rows` local rows; False (and stays idle) when not distributed."""
-        self._reset(rows)
+    def arm(self, rows: int, extras=None) -> bool:
+        """Starts a step on `rows` local rows; False (and stays idle) when not distributed.
+
+        `extras`, if given, is called once when the last bucket launches and returns tensors
+        to sum across workers along with the gradients (their sums come back from `finish`).
+        """
+        self._reset(rows, extras)
         self.armed = bool(self.backend.distributed) and bool(self.parameters)
         return self.armed
 
@@ -142,19 +156,48 @@ class OverlappedGradients:
                                           device=parameter.device))
             else:
                 pieces.append(grad.detach().reshape(-1))
+        last = number == len(self.buckets) - 1
+        extras = self._collect_extras() if last else []
+        dtype = self.parameters[self.buckets[number][0]].dtype
+        riding = [i for i, tensor in enumerate(extras) if tensor.dtype == dtype]
         with torch.no_grad():
-            flat = torch.cat(pieces)
+            flat = torch.cat(pieces + [extras[i] for i in riding])
         with self.backend.guarded("gradient all-reduce"):
             self.works[number] = dist.all_reduce(flat, async_op=True)
-        self.flats[number] = flat
+            self.flats[number] = flat
+            if riding:
+                self.extra_parts.append((flat, self.works[number], flat.numel() - sum(
+                    extras[i].numel() for i in riding), riding))
+            # Extras of another dtype than the bucket: one more flat per dtype, launched now.
+            by_dtype: dict = {}
+            for i, tensor in enumerate(extras):
+                if tensor.dtype != dtype:
+                    by_dtype.setdefault(tensor.dtype, []).append(i)
+            for positions in by_dtype.values():
+                with torch.no_grad():
+                    other = torch.cat([extras[i] for i in positions])
+                self.extra_parts.append((other, dist.all_reduce(other, async_op=True), 0,
+                                         positions))
         self.launched = number + 1
 
-    def finish(self) -> list[torch.Tensor]:
-        """Launches what backward left, waits for every bucket; the summed gradients, in order."""
+    def _collect_extras(self) -> list[torch.Tensor]:
+        if self.extras is None:
+            return []
+        with torch.no_grad():
+            self.extra_tensors = [torch.as_tensor(tensor).detach() for tensor in self.extras()]
+        return [tensor.reshape(-1) for tensor in self.extra_tensors]
+
+    def finish(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Launches what backward left and waits for every bucket.
+
+        Returns the summed gradients, in parameter order, and the summed extras, in the order
+        `extras()` returned them (empty when the step had none).
+        """
         self.armed = False
         while self.launched < len(self.buckets):
             self._launch(self.launched)
         summed: list[torch.Tensor | None] = [None] * len(self.parameters)
+        extras: list[torch.Tensor | None] = [None] * len(self.extra_tensors)
         with self.backend.guarded("gradient all-reduce"):
             for number, bucket in enumerate(self.buckets):
                 self.works[number].wait()
@@ -163,8 +206,14 @@ class OverlappedGradients:
                     parameter = self.parameters[position]
                     summed[position] = flat[offset:offset + parameter.numel()].view_as(parameter)
                     offset += parameter.numel()
+            for flat, work, offset, positions in self.extra_parts:
+                work.wait()
+                for i in positions:
+                    size = self.extra_tensors[i].numel()
+                    extras[i] = flat[offset:offset + size].view_as(self.extra_tensors[i])
+                    offset += size
         self._reset(rows=0)
-        return summed  # type: ignore[return-value]
+        return summed, extras  # type: ignore[return-value]
 
     def close(self) -> None:
         """Removes the hooks (a new plan is made when the trainable weights change)."""

@@ -15,7 +15,9 @@ What a tagged model gets (DESIGN.md §3):
   all-reduces the gradients, the row count and unsynchronized BatchNormalization moving
   statistics in one bucketed flat all-reduce, then divides by the global row count: the exact
   global-batch gradient even for uneven or empty shards, seen averaged by clipping and loss
-  scaling. The optimizer keeps its fast torch class (its class is swapped for a subclass).
+  scaling. The optimizer keeps its fast torch class (its class is swapped for a subclass);
+  Keras' torch Adam/AdamW update runs as one fused torch kernel on the CPU
+  (`torch_fused_adam`, the same math; `KERAS_MWMS_TORCH_FUSED_ADAM=0` turns it off).
   With Keras' own eager train step the gradient buckets start reducing during `backward()`
   (`torch_overlap`); `KERAS_MWMS_TORCH_OVERLAP=0` reduces them after it instead.
 * A worker whose shard of a step is empty runs the step on one zero-weight dummy row so that
@@ -33,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from keras_mwms.backends import torch_fused_adam
 from keras_mwms.backends.base import require_tested_keras
 
 if TYPE_CHECKING:
@@ -142,7 +145,9 @@ def _patch_trainer() -> None:
         backend = backend_of(self)
         if backend is None or not backend.distributed:
             return original_metrics_result(self, logs)
-        with global_metric_state(self, backend):
+        summed = getattr(self, "_keras_mwms_step_metric_sums", None)
+        object.__setattr__(self, "_keras_mwms_step_metric_sums", None)
+        with global_metric_state(self, backend, summed):
             return original_metrics_result(self, logs)
 
     TorchTrainer.__init__ = __init__
@@ -208,18 +213,104 @@ def _overlap_enabled(model) -> bool:
     return not model.jit_compile and type(model).train_step is TorchTrainer.train_step
 
 
-def _armed_reducer(model, backend: TorchBackend, rows: int):
+def _metrics_first_applies(model) -> bool:
+    """Whether Keras' default metric update can move before backward (`_train_step_metrics_first`)."""
+    from keras.src.trainers.trainer import Trainer
+
+    return type(model).compute_metrics is Trainer.compute_metrics and model.optimizer is not None
+
+
+def _train_step_metrics_first(model, data, rows: int):
+    """Keras' `TorchTrainer.train_step` with the metric update moved before `backward()`.
+
+    Keras 3.15.1 updates the compiled metrics after the optimizer step, from the same
+    predictions; their states are final earlier than that, once the forward pass is done. Updating
+    them before backward lets their states ride in the last gradient bucket (`_StepExtras`), so
+    the global batch logs need no all-reduce of their own. A worker whose shard of the step is
+    empty (`rows == 0`, a dummy row) leaves its metrics untouched.
+    """
+    from keras.src import tree
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+    y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
+    model.zero_grad()
+    loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                               training=True)
+    if rows:
+        model._loss_tracker.update_state(
+            loss, sample_weight=next(i for i in tree.flatten(x) if i is not None).shape[0])
+        if model._compile_metrics is not None:
+            with torch.no_grad():
+                model._compile_metrics.update_state(y, y_pred, sample_weight)
+    loss = model.optimizer.scale_loss(loss)
+    loss.backward()
+    trainable_weights = model.trainable_weights[:]
+    gradients = [variable.value.grad for variable in trainable_weights]
+    with torch.no_grad():
+        model.optimizer.apply(gradients, trainable_weights)
+
+
+def _metric_variables(model) -> list:
+    """(metric, variable) pairs of every metric state, in `global_metric_state`'s order."""
+    return [(metric, variable) for metric in model.metrics for variable in metric.variables]
+
+
+class _StepExtras:
+    """The small values one overlapped step sums in its last gradient bucket.
+
+    BatchNormalization moving statistics (weighted by rows), the step's loss weight and row
+    count, and, when the metrics were updated before backward and every metric state is summed
+    across workers, the metric states: the whole step then costs the gradient all-reduce only.
+    """
+
+    def __init__(self, model, backend: TorchBackend, rows: int, weights: list,
+                 with_metrics: bool):
+        self.model = model
+        self.backend = backend
+        self.rows = rows
+        self.with_metrics = with_metrics
+        self.statistics = _unsynchronized_batch_norm_statistics(model)
+        self.metric_count = 0
+        self.dtype = weights[0].value.dtype
+
+    def __call__(self) -> list[torch.Tensor]:
+        rows = float(self.rows)
+        has_rows = rows > 0
+        weight = rows if self.backend.loss_weighted_by_rows else float(has_rows)
+        tensors = [variable.value.data * rows if has_rows else torch.zeros_like(variable.value.data)
+                   for variable in self.statistics]
+        tensors.append(torch.tensor([weight, rows], dtype=self.dtype))
+        if self.with_metrics:
+            pairs = _metric_variables(self.model)
+            if all(metric_reduction(metric, variable) == "sum" for metric, variable in pairs):
+                self.metric_count = len(pairs)
+                tensors += [variable.value.data for _, variable in pairs]
+        return tensors
+
+    def consume(self, reduced: list[torch.Tensor]) -> torch.Tensor:
+        """Applies the summed statistics, keeps the summed metric states; the total weight."""
+        count = len(self.statistics)
+        total_weight, total_rows = reduced[count][0], reduced[count][1]
+        for variable, total in zip(self.statistics, reduced[:count]):
+            variable.value.data.copy_(total / total_rows)
+        if self.metric_count:
+            object.__setattr__(self.model, "_keras_mwms_step_metric_sums",
+                               list(reduced[count + 1:]))
+        return total_weight
+
+
+def _armed_reducer(model, backend: TorchBackend, rows: int, weights: list, extras=None):
     """The model's `OverlappedGradients`, re-planned when its trainable weights changed."""
     from keras_mwms.backends.torch_overlap import OverlappedGradients
 
     reducer = getattr(model, "_keras_mwms_overlap", None)
-    weights = model.trainable_weights
     if reducer is None or not reducer.covers(weights):
         if reducer is not None:
             reducer.close()
         reducer = OverlappedGradients(backend, [variable.value for variable in weights])
         object.__setattr__(model, "_keras_mwms_overlap", reducer)
-    reducer.arm(rows)
+    reducer.arm(rows, extras)
     return reducer
 
 
@@ -230,9 +321,19 @@ def _distributed_train_function(model, backend: TorchBackend, train_function):
         batch = data[0]
         rows = _first_dimension(batch)
         backend.step_rows = rows
-        reducer = _armed_reducer(model, backend, rows) if overlap else None
+        object.__setattr__(model, "_keras_mwms_step_metric_sums", None)
+        reducer = None
+        metrics_first = False
+        weights = model.trainable_weights if overlap else []
+        if weights:
+            metrics_first = _metrics_first_applies(model)
+            reducer = _armed_reducer(model, backend, rows, weights,
+                                     _StepExtras(model, backend, rows, weights, metrics_first))
+            metrics_first = metrics_first and reducer.armed
         try:
-            if rows:
+            if metrics_first:
+                _train_step_metrics_first(model, batch if rows else _dummy_row(batch), rows)
+            elif rows:
                 logs = train_function(data)
             else:
                 # An empty shard (a short last global batch): run the step on a dummy row
@@ -249,6 +350,14 @@ def _distributed_train_function(model, backend: TorchBackend, train_function):
         # Batch logs are global, as on TensorFlow: callbacks that stop training on a logged value
         # (TerminateOnNaN, a batch-level EarlyStopping) decide alike on every worker. Local logs
         # let one worker stop a step early and the others hang or abort in the next collective.
+        if metrics_first:
+            summed = getattr(model, "_keras_mwms_step_metric_sums", None)
+            object.__setattr__(model, "_keras_mwms_step_metric_sums", None)
+            if summed is not None:   # a diagnostic count, read by the tests
+                object.__setattr__(model, "_keras_mwms_metric_rides",
+                                   getattr(model, "_keras_mwms_metric_rides", 0) + 1)
+            with global_metric_state(model, backend, summed):
+                return model.get_metrics_result()
         return model._get_metrics_result_or_logs(logs)
 
     distributed_train_function._keras_mwms = True
@@ -291,9 +400,19 @@ def _distribute_optimizer(model, backend: TorchBackend) -> None:
                                        trainable_variables)
         return base.apply(self, grads, trainable_variables)
 
-    distributed = type(base.__name__, (base,), {
-        "scale_loss": scale_loss, "apply": apply, "__module__": base.__module__,
-        "__qualname__": base.__qualname__})
+    methods = {"scale_loss": scale_loss, "apply": apply, "__module__": base.__module__,
+               "__qualname__": base.__qualname__}
+    if torch_fused_adam.applies_to(base) and torch_fused_adam.enabled():
+        def _parallel_update_step(self, grads, variables, learning_rate):
+            if not model.jit_compile and torch_fused_adam.eligible(self, grads, variables):
+                torch_fused_adam.update(self, grads, variables, learning_rate)
+                object.__setattr__(self, "_keras_mwms_fused_steps",
+                                   getattr(self, "_keras_mwms_fused_steps", 0) + 1)
+                return None
+            return base._parallel_update_step(self, grads, variables, learning_rate)
+
+        methods["_parallel_update_step"] = _parallel_update_step
+    distributed = type(base.__name__, (base,), methods)
     optimizer.__class__ = distributed
     object.__setattr__(optimizer, "_keras_mwms_model", model)
 
@@ -326,14 +445,20 @@ def _average_gradients(backend: TorchBackend, model, grads: list, variables=None
     has_rows = backend.step_rows > 0
     rows = float(backend.step_rows)
     weight = rows if backend.loss_weighted_by_rows else float(has_rows)
-    backend.loss_weighted_by_rows = False
     statistics = _unsynchronized_batch_norm_statistics(model)
     reducer = getattr(model, "_keras_mwms_overlap", None)
     if reducer is not None and reducer.armed:
         # Always finish: its collectives are in flight on every worker.
-        summed = reducer.finish()
+        step_extras = reducer.extras
+        summed, reduced_extras = reducer.finish()
+        backend.loss_weighted_by_rows = False
         if variables is not None and reducer.covers(list(variables)):
+            if isinstance(step_extras, _StepExtras):
+                total_weight = step_extras.consume(reduced_extras)
+                return [None if grad is None else total.div_(total_weight)
+                        for grad, total in zip(grads, summed)]
             return _average_overlapped(backend, grads, summed, statistics, weight, rows)
+    backend.loss_weighted_by_rows = False
     present = [i for i, grad in enumerate(grads) if grad is not None]
     payload = []
     for i in present:
@@ -394,18 +519,26 @@ def metric_reduction(metric, variable) -> str:
 
 
 class global_metric_state:
-    """Context: metric state variables hold the global (all-worker) state, then local again."""
+    """Context: metric state variables hold the global (all-worker) state, then local again.
 
-    def __init__(self, model, backend: TorchBackend):
+    `summed`, when given, holds the global states already (summed in the step's last gradient
+    bucket, `_StepExtras`): they are copied in without another all-reduce.
+    """
+
+    def __init__(self, model, backend: TorchBackend, summed=None):
         self.model = model
         self.backend = backend
+        self.summed = summed
 
     def __enter__(self):
-        pairs = []
-        for metric in self.model.metrics:
-            for variable in metric.variables:
-                pairs.append((metric, variable))
+        pairs = _metric_variables(self.model)
         self.saved = [variable.value.data.clone() for _, variable in pairs]
+        self.pairs = pairs
+        if self.summed is not None and len(self.summed) == len(pairs):
+            with torch.no_grad():
+                for (_, variable), value in zip(pairs, self.summed):
+                    variable.value.data.copy_(value)
+            return self
         by_op: dict[str, list] = {}
         for metric, variable in pairs:
             by_op.setdefault(metric_reduction(metric, variable), []).append(variable)
@@ -418,7 +551,6 @@ class global_metric_state:
             with torch.no_grad():
                 for tensor, value in zip(tensors, reduced):
                     tensor.copy_(value)
-        self.pairs = pairs
         return self
 
     def __exit__(self, *exc):

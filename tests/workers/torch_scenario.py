@@ -107,6 +107,10 @@ def run_scenario(strategy, out: str, data="arrays", optimizer="sgd", epochs=2, r
         optimizer_iterations=int(model.optimizer.iterations.numpy()),
         # Gradient buckets reduced during backward (keras_mwms.backends.torch_overlap); 0: none.
         overlap_buckets=len(getattr(getattr(model, "_keras_mwms_overlap", None), "buckets", [])),
+        # Steps whose metric states were summed in the last gradient bucket (no own all-reduce).
+        metric_states_in_gradient_bucket=int(getattr(model, "_keras_mwms_metric_rides", 0)),
+        # Steps whose Adam update ran as one fused torch kernel (keras_mwms.backends.torch_fused_adam).
+        fused_adam_steps=int(getattr(model.optimizer, "_keras_mwms_fused_steps", 0)),
     )
     np.save(os.path.join(out, f"predict{index}.npy"), predictions)
 
