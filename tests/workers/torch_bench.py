@@ -1,6 +1,7 @@
 """Side-by-side throughput: keras_mwms `model.fit` vs a hand-written torch DDP loop.
 
     python -m keras_mwms.launch --workers 2 tests/workers/torch_bench.py [--steps 300] [--jit]
+        [--repeats 2] [--variants]
 
 Both run in the same worker processes on the same process group (the strategy's), with the
 same MLP (64 → 512 → 512 → 512 → 10), global batch, data and threads, interleaved
@@ -83,12 +84,22 @@ def keras_steps_per_second(strategy, x, y, global_batch: int, jit: bool) -> floa
     return (len(times) - 1 - WARMUP) / (times[-1] - times[WARMUP])
 
 
+# Variants of keras_mwms measured in the same gang: name -> environment they run under.
+VARIANTS = {
+    "keras_mwms fit": {},
+    "  without fused Adam": {"KERAS_MWMS_TORCH_FUSED_ADAM": "0"},
+    "  without overlap": {"KERAS_MWMS_TORCH_OVERLAP": "0"},
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--global-batch", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--jit", action="store_true")
+    parser.add_argument("--variants", action="store_true",
+                        help="also time keras_mwms with fused Adam off and with overlap off")
     arguments = parser.parse_args()
 
     import torch
@@ -97,20 +108,36 @@ def main() -> None:
 
     strategy = keras_mwms.MultiWorkerMirroredStrategy()
     x, y = data(arguments.steps, arguments.global_batch)
-    ddp, fit = [], []
+    names = list(VARIANTS) if arguments.variants else ["keras_mwms fit"]
+    ddp: list[float] = []
+    rates: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(arguments.repeats):
+        # Interleaved, so that machine load hits every variant alike; ratios are taken per repeat.
         ddp.append(ddp_steps_per_second(strategy, x, y, arguments.global_batch))
-        fit.append(keras_steps_per_second(strategy, x, y, arguments.global_batch, arguments.jit))
+        for name in names:
+            saved = {key: os.environ.get(key) for key in VARIANTS[name]}
+            os.environ.update(VARIANTS[name])
+            try:
+                rates[name].append(keras_steps_per_second(strategy, x, y, arguments.global_batch,
+                                                          arguments.jit))
+            finally:
+                for key, value in saved.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
     if strategy.is_chief:
-        best_ddp, best_fit = max(ddp), max(fit)
         print(f"workers={strategy.num_workers} threads={torch.get_num_threads()} "
-              f"global_batch={arguments.global_batch} steps={arguments.steps} jit={arguments.jit}\n"
-              f"  torch DDP loop     steps/s: {' '.join(f'{v:6.1f}' for v in ddp)}  "
-              f"(median {statistics.median(ddp):.1f}, best {best_ddp:.1f})\n"
-              f"  keras_mwms fit     steps/s: {' '.join(f'{v:6.1f}' for v in fit)}  "
-              f"(median {statistics.median(fit):.1f}, best {best_fit:.1f})\n"
-              f"  ratio fit/DDP: median {statistics.median(fit) / statistics.median(ddp):.2f}x, "
-              f"best {best_fit / best_ddp:.2f}x", flush=True)
+              f"global_batch={arguments.global_batch} steps={arguments.steps} jit={arguments.jit}",
+              flush=True)
+        print(f"  {'torch DDP loop':<24} steps/s: {' '.join(f'{v:6.1f}' for v in ddp)}  "
+              f"(median {statistics.median(ddp):.1f})", flush=True)
+        for name in names:
+            ratios = [fit / base for fit, base in zip(rates[name], ddp)]
+            print(f"  {name:<24} steps/s: {' '.join(f'{v:6.1f}' for v in rates[name])}  "
+                  f"(median {statistics.median(rates[name]):.1f}); ratio to DDP per repeat "
+                  f"{' '.join(f'{r:.2f}' for r in ratios)}, median {statistics.median(ratios):.2f}x",
+                  flush=True)
 
 
 if __name__ == "__main__":
