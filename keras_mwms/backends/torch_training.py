@@ -24,7 +24,11 @@ What a tagged model gets (DESIGN.md §3):
   every worker issues the same collectives; its metrics are left untouched.
 * Metric state is reduced across workers (sum, or min/max) when results are computed: after
   every training step (the batch logs) and at the end of every epoch and of `evaluate`, so
-  History and callbacks agree everywhere (one small extra all-reduce per step).
+  History and callbacks agree everywhere. In Keras' own eager train step the metrics are
+  updated before backward and their states, the row counts and the BatchNormalization
+  statistics ride in the last gradient bucket (`_StepExtras`): such a step issues the gradient
+  all-reduce only. Otherwise (torch.compile'd or custom steps, min/max metric states) it costs
+  small extra all-reduces.
 * `BatchNormalization(synchronized=True)` computes global batch statistics.
 """
 
