@@ -450,5 +450,6 @@ class Rendezvous:
                 f"{self.me.name} ({self.me.address}) gave up after {elapsed:.0f} s waiting for "
                 f"{listing}. Start every worker listed in TF_CONFIG within the timeout, check "
                 "that their host:port is reachable from here (firewalls), or raise the timeout "
-                "(CommunicationOptions(timeout_seconds=...) or KERAS_MWMS_RENDEZVOUS_TIMEOUT)."
+                "(CommunicationOptions(rendezvous_timeout_seconds=...) or "
+                "KERAS_MWMS_RENDEZVOUS_TIMEOUT)."
             )

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -42,15 +43,35 @@ def epochs_logged(out_dir, worker):
 def runs(request, tmp_path_factory):
     backend = request.param
     root = tmp_path_factory.mktemp(f"callbacks-{backend}")
-    results = {}
+    results, seconds = {}, {}
     for name, arguments in FAULTS.items():
         out, backup = root / name, root / f"{name}-backup"
+        started = time.monotonic()
         results[name] = (out, backup, run_launcher(
             ["--workers", "2", "--max-restarts", "0" if name == "reference" else "1",
              "--grace-period", "3"],
             [SCENARIO, "--out", str(out), "--backup", str(backup), *arguments],
             timeout=RUN_TIMEOUT, env=worker_env(backend)))
+        seconds[name] = time.monotonic() - started
+    print_fault_table(backend, results, seconds)
     return backend, results
+
+
+def print_fault_table(backend, results, seconds):
+    """The fault-injection matrix of one backend (shown with `pytest -s`): time, restarts, Δw."""
+    print(f"\ncallback fault matrix, {backend} (2 workers, 3 epochs x 8 steps, launcher --max-restarts 1):")
+    print(f"{'fault':<18} {'exit':>4} {'seconds':>8} {'restarts':>8}  max|dw| vs uninterrupted")
+    try:
+        reference = load_weights(results["reference"][0], 0)
+    except OSError:
+        reference = None
+    for name, (out, _, result) in results.items():
+        try:
+            delta = f"{max_weight_difference(load_weights(out, 0), reference):.3g}"
+        except (OSError, TypeError):
+            delta = "-"
+        restarts = result.launcher_log.count("restarting the gang")
+        print(f"{name:<18} {result.returncode:>4} {seconds[name]:>8.1f} {restarts:>8}  {delta}")
 
 
 

@@ -73,3 +73,15 @@ def test_strategy_after_the_backend_ran_is_handled_or_explained(backend):
     else:
         for line in outcomes:
             assert "Create the strategy first, right after the imports" in line, line
+
+
+def test_a_torch_process_group_that_contradicts_tf_config_is_a_clear_error():
+    gang = run_gang(python_worker("late_strategy.py", "--own-process-group"), 2, timeout=300,
+                    env=worker_env("torch"))
+    outcomes = [line for worker in (0, 1) for line in gang.lines(worker) if line.startswith("RESULT")]
+    assert len(outcomes) == 2, gang.output[-6000:]
+    for line in outcomes:
+        assert line.startswith("RESULT error RuntimeError"), line
+        assert "already initialised" in line and "world_size=1" in line, line
+        assert "TF_CONFIG describes 2 worker(s)" in line, line
+

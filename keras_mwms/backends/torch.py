@@ -191,7 +191,9 @@ class TorchBackend(Backend):
         engine = self.engine_description()
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(default_thread_count())
-        if self.num_workers > 1 and not dist.is_initialized():
+        if dist.is_initialized():
+            self._check_existing_process_group()
+        elif self.num_workers > 1:
             host, port = split_address(self.resolver.worker_addresses[0])
             if engine == "gloo":
                 _bind_gloo_to(split_address(self.resolver.worker_addresses[self.worker_index])[0])
@@ -213,6 +215,18 @@ class TorchBackend(Backend):
         from keras_mwms.backends import torch_training
 
         torch_training.install(self)
+
+    def _check_existing_process_group(self) -> None:
+        """Reuses a process group the script started itself, if it is the one TF_CONFIG describes."""
+        size, rank = dist.get_world_size(), dist.get_rank()
+        if (size, rank) != (self.num_workers, self.worker_index):
+            raise RuntimeError(
+                f"keras_mwms worker {self.worker_index}: torch.distributed was already initialised "
+                f"in this process with world_size={size}, rank={rank}, but TF_CONFIG describes "
+                f"{self.num_workers} worker(s) with this one at index {self.worker_index}. Let "
+                "keras_mwms.MultiWorkerMirroredStrategy() start the process group (remove your "
+                "init_process_group call), or make its world size and rank match TF_CONFIG."
+            )
 
     def _store(self, host: str, port: int) -> dist.TCPStore:
         """The TCPStore `init_method="tcp://host:port"` would make, the chief's bound to `host` only.

@@ -1,7 +1,8 @@
 """Uses the backend before creating the strategy (the seed's known issue); prints the outcome.
 
 Prints `RESULT ok <replicas>` if the strategy was created and trains, else
-`RESULT error <type>: <message>`.
+`RESULT error <type>: <message>`. On torch, `--own-process-group` first starts a one-process
+group of the script's own, which the strategy must refuse (TF_CONFIG describes more workers).
 """
 
 import os
@@ -22,6 +23,16 @@ else:
     import torch
 
     print("early op", float(torch.ones(3).sum()), flush=True)
+    if "--own-process-group" in sys.argv:
+        # A script that starts its own one-process group, not the one TF_CONFIG describes.
+        import tempfile
+
+        import torch.distributed as dist
+
+        handle, path = tempfile.mkstemp(prefix="keras_mwms_store_")
+        os.close(handle)
+        store = dist.FileStore(path, 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
 
 import keras_mwms  # noqa: E402
 
