@@ -168,12 +168,16 @@ def run(config: BenchmarkConfig, out_dir: Path) -> dict:
         f"memcpy {machine['memcpy_bytes_per_second'] / 1e9:.2f} GB/s")
     gangs = []
     threads = threads_per_worker(config.workers)
-    for gang_plan in plan(config):
-        say(f"running {gang_plan.name} ({threads} thread(s) per process)")
+    gang_plans = plan(config)
+    run_started = time.monotonic()
+    for number, gang_plan in enumerate(gang_plans, 1):
+        say(f"[{number}/{len(gang_plans)}] running {gang_plan.name} ({threads} thread(s) per "
+            f"process; its output: {out_dir / 'logs'})")
         record = run_gang(gang_plan, config_path, out_dir, config.gang_timeout, threads)
         gangs.append(record)
         state = "ok" if record["ok"] else f"FAILED: {record['error']} (log: {out_dir / 'logs'})"
-        say(f"{gang_plan.name}: {state} in {record['seconds']:.0f} s")
+        say(f"[{number}/{len(gang_plans)}] {gang_plan.name}: {state} in {record['seconds']:.0f} s "
+            f"({time.monotonic() - run_started:.0f} s so far)")
     machine["load_average_at_end"] = list(os.getloadavg())
     fits = analysis.fit_rows(gangs)
     allreduce = analysis.allreduce_tables(gangs, machine["loopback_tcp_bytes_per_second"])
