@@ -154,7 +154,10 @@ def write_plot(report: dict, out_dir: Path) -> Path:
             labelled.add(row["variant"])
             right.bar(x, row["steps_per_second"], width, color=colors[row["variant"]], label=label)
     right.set_xticks(range(len(groups)))
-    right.set_xticklabels([f"{backend}\n{model} x{workers}" for backend, model, workers in groups], fontsize=8)
+    short = {"tensorflow": "TF"}  # "tensorflow" under every bar ran into its neighbours
+    right.set_xticklabels([f"{short.get(backend, backend)}\n{model}\nn={workers}" for backend, model, workers in groups],
+                          fontsize=8)
+    right.set_xlabel("backend / model / n = workers (1: one process)", fontsize=8)
     right.set_ylabel("steps/s (higher is better)")
     right.set_title(f"fit, global batch {report['config']['global_batch']}")
     right.legend(fontsize=8)
