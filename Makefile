@@ -18,8 +18,11 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -c "import keras, tensorflow, jax, torch; print('installed keras', keras.__version__, '| tensorflow', tensorflow.__version__, '| jax', jax.__version__, '| torch', torch.__version__)"
 	touch $(STAMP)
 
+# The suite, then the CI benchmark (`bench-quick`, under 2 min here): CI runs both through `make test`,
+# so its log ends with the ratio table. `$(BIN)/python -m pytest` alone runs just the suite.
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory bench-quick
 
 lint: install
 	$(BIN)/ruff check keras_mwms tests guides
@@ -31,7 +34,7 @@ guides: install
 demo: install
 	$(BIN)/python -m keras_mwms.launch --workers 2 -m keras_mwms.demo
 
-# The CI benchmark (< 5 min on 2 cores): all-reduce and fit of every backend vs its native peer;
+# The CI benchmark (< 5 min on 2 cores; `make test` ends with it): all-reduce and fit of every backend vs its native peer;
 # prints the tables (ratio keras_mwms/native last), writes build/bench-quick/benchmark.{json,png}.
 bench-quick: install
 	$(BIN)/python -m keras_mwms.benchmark --quick --out build/bench-quick

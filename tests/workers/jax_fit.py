@@ -37,6 +37,7 @@ parser.add_argument("--die-worker", type=int, default=-1)
 parser.add_argument("--die-after", type=int, default=5, help="batches before the crash")
 parser.add_argument("--slow-steps", type=float, default=0.0, help="sleep per batch (fault test)")
 parser.add_argument("--primitives", action="store_true", help="exercise barrier/broadcast/run/reduce")
+parser.add_argument("--steps-per-execution", type=int, default=1)
 arguments = parser.parse_args()
 
 import keras  # noqa: E402
@@ -57,7 +58,8 @@ with strategy.scope():
     model = common.mlp(batch_norm=arguments.batch_norm, dropout=arguments.dropout, synchronized=False)
     optimizer = (keras.optimizers.SGD(0.05, momentum=0.9) if arguments.optimizer == "sgd"
                  else keras.optimizers.Adam(1e-2))
-    model.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
+    model.compile(optimizer=optimizer, loss="mse", metrics=["mae"],
+                  steps_per_execution=arguments.steps_per_execution)
 initial = [np.asarray(w) for w in model.get_weights()]
 
 
