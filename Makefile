@@ -34,7 +34,7 @@ guides: install
 demo: install
 	$(BIN)/python -m keras_mwms.launch --workers 2 -m keras_mwms.demo
 
-# The CI benchmark (< 5 min on 2 cores; `make test` ends with it): all-reduce and fit of every backend vs its native peer;
+# The CI benchmark (< 5 min on 2 cores): all-reduce and fit of every backend vs its native peer;
 # prints the tables (ratio keras_mwms/native last), writes build/bench-quick/benchmark.{json,png}.
 bench-quick: install
 	$(BIN)/python -m keras_mwms.benchmark --quick --out build/bench-quick

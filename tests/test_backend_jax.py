@@ -40,7 +40,7 @@ SCENARIOS = {
                                            env={"JAX_NUM_CPU_DEVICES": "2"}),
     # The flat path (the default): 3 workers, tf.data at the global batch, Adam (12 steps),
     # seeded differently, validation; the 16-row last batch splits 6/5/5 rows; two steps per
-    # execution (Keras loops the flat step in Python: 6 steps = 3 executions).
+    # execution (Keras loops the flat step in Python: 6 steps an epoch = 3 executions).
     "tfdata_adam_3workers_flat": dict(workers=3, path="flat",
                                       args=["--input", "tfdata", "--optimizer", "adam", "--seed-per-worker",
                                             "--validation", "--batch-size", "48", "--steps-per-execution", "2"]),

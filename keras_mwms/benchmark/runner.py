@@ -87,10 +87,15 @@ def gang_environment(backend: str, threads: int) -> dict[str, str]:
     return env
 
 
+def gang_log_path(out_dir: Path, gang_plan: GangPlan) -> Path:
+    """Where a gang's prefixed worker output goes (named in the progress lines)."""
+    return out_dir / "logs" / f"{gang_plan.name}.log"
+
+
 def run_gang(gang_plan: GangPlan, config_path: Path, out_dir: Path, timeout: float, threads: int) -> dict:
     """Runs one gang to completion or deadline; returns its record with every worker's result."""
     prefix = out_dir / "raw" / gang_plan.name
-    log_path = out_dir / "logs" / f"{gang_plan.name}.log"
+    log_path = gang_log_path(out_dir, gang_plan)
     for stale in prefix.parent.glob(f"{prefix.name}.worker*.json"):
         stale.unlink()
     command = [sys.executable, "-u", "-m", "keras_mwms.benchmark.worker", str(config_path), gang_plan.role,
@@ -171,12 +176,12 @@ def run(config: BenchmarkConfig, out_dir: Path) -> dict:
     gang_plans = plan(config)
     run_started = time.monotonic()
     for number, gang_plan in enumerate(gang_plans, 1):
-        say(f"[{number}/{len(gang_plans)}] running {gang_plan.name} ({threads} thread(s) per "
-            f"process; its output: {out_dir / 'logs'})")
+        progress, log_path = f"[{number}/{len(gang_plans)}]", gang_log_path(out_dir, gang_plan)
+        say(f"{progress} running {gang_plan.name} ({threads} thread(s) per process; its output: {log_path})")
         record = run_gang(gang_plan, config_path, out_dir, config.gang_timeout, threads)
         gangs.append(record)
-        state = "ok" if record["ok"] else f"FAILED: {record['error']} (log: {out_dir / 'logs'})"
-        say(f"[{number}/{len(gang_plans)}] {gang_plan.name}: {state} in {record['seconds']:.0f} s "
+        state = "ok" if record["ok"] else f"FAILED: {record['error']} (log: {log_path})"
+        say(f"{progress} {gang_plan.name}: {state} in {record['seconds']:.0f} s "
             f"({time.monotonic() - run_started:.0f} s so far)")
     machine["load_average_at_end"] = list(os.getloadavg())
     fits = analysis.fit_rows(gangs)
