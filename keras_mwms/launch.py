@@ -9,7 +9,11 @@ so the gang lives and dies together:
   `--grace-period` seconds) and the gang's exit code is that worker's;
 * with `--max-restarts K` a failed gang is started again, up to K times, on fresh ports,
   saying why; a script with `keras_mwms.callbacks.BackupAndRestore` resumes where it stopped;
-* SIGINT/SIGTERM sent to the launcher are forwarded to every worker, then escalated;
+* SIGINT/SIGTERM sent to the launcher are forwarded to every worker; whatever is still running
+  `--grace-period` seconds later is SIGKILLed, and a second signal SIGKILLs it at once. Then
+  the launcher exits with 128 + the signal's number. The escalation is not optional: a
+  TensorFlow worker blocked in a collective catches SIGTERM and never exits, so a launcher
+  that only waited outlived `timeout` and scheduler time limits, workers and all;
 * each worker runs in its own process group, killed as a whole, and is told by the kernel to
   die with the launcher (`PR_SET_PDEATHSIG`), so no process outlives the launcher.
 
@@ -37,6 +41,9 @@ from dataclasses import dataclass
 from keras_mwms.cluster import format_address, make_tf_config
 
 DEFAULT_GRACE_PERIOD_SECONDS = 10.0
+# A SIGKILLed process is gone in milliseconds unless stuck in the kernel (a dead NFS mount);
+# the launcher must still exit then.
+REAP_TIMEOUT_SECONDS = 10.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -179,21 +186,38 @@ class Gang:
                 except ProcessLookupError:
                     pass
 
-    def stop(self) -> None:
-        """SIGTERM to every live worker, SIGKILL after the grace period; waits for all."""
-        self.signal_all(signal.SIGTERM)
-        deadline = time.monotonic() + self.grace_period
-        while time.monotonic() < deadline and any(w.process.poll() is None for w in self.running):
-            time.sleep(0.05)
-        self.signal_all(signal.SIGKILL)
+    def kill(self) -> None:
+        """SIGKILLs every worker's whole process group, now."""
         for worker in self.running:
             # The group may hold grandchildren even after the leader exited.
             try:
                 os.killpg(worker.process.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-            worker.process.wait()
+
+    def stop(self, signum: int | None = signal.SIGTERM,
+             grace_period: float | None = None) -> list[int]:
+        """Asks every live worker to exit with `signum`, SIGKILLs the rest after the grace period.
+
+        `signum=None` sends nothing first, for workers already sent a signal; `grace_period`
+        defaults to the gang's. Waits for every worker (each wait bounded) and returns the
+        indices of those still running when the grace period ended.
+        """
+        if signum is not None:
+            self.signal_all(signum)
+        grace_period = self.grace_period if grace_period is None else grace_period
+        deadline = time.monotonic() + max(0.0, grace_period)
+        while time.monotonic() < deadline and any(w.process.poll() is None for w in self.running):
+            time.sleep(0.05)
+        overdue = [worker.index for worker in self.running if worker.process.poll() is None]
+        self.kill()
+        for worker in self.running:
+            try:
+                worker.process.wait(timeout=REAP_TIMEOUT_SECONDS)
+            except subprocess.TimeoutExpired:
+                pass
             worker.pump.join(timeout=5)
+        return overdue
 
     def wait(self, timeout: float | None = None) -> tuple[int, int | None]:
         """Waits until all exit 0 (returns `(0, None)`) or one fails (`(code, worker index)`).
@@ -256,6 +280,8 @@ class Launcher:
         self.output = output or sys.stdout
         self.gang: Gang | None = None
         self._signalled: int | None = None
+        self._signal_count = 0
+        self._signal_deadline = 0.0
 
     def _say(self, message: str) -> None:
         self.log.write(f"[launcher] {message}\n")
@@ -263,10 +289,51 @@ class Launcher:
 
     def _on_signal(self, signum, frame) -> None:
         del frame
+        self._signal_count += 1
+        name = signal.Signals(signum).name
+        if self._signalled is not None:
+            self._say(f"received {name} again; killing every worker now (SIGKILL)")
+            if self.gang is not None:
+                self.gang.kill()
+            return
         self._signalled = signum
-        self._say(f"received {signal.Signals(signum).name}; forwarding it to every worker")
+        self._signal_deadline = time.monotonic() + self.grace_period
+        self._say(f"received {name}; forwarding it to every worker, SIGKILL for any still running "
+                  f"in {self.grace_period:g} s (a second signal kills them now)")
         if self.gang is not None:
             self.gang.signal_all(signum)
+
+    def _wait_for_gang(self) -> tuple[int | None, int | None]:
+        """`Gang.wait`'s result, or `(None, None)` as soon as the launcher is signalled.
+
+        Workers need not exit on the forwarded signal, so the grace period is counted from
+        the signal, not from whenever they choose to exit.
+        """
+        while self._signalled is None:
+            try:
+                return self.gang.wait(timeout=0.1)
+            except TimeoutError:
+                pass
+        return None, None
+
+    def _stop_gang(self) -> list[int]:
+        if self._signalled is None:
+            return self.gang.stop()
+        return self.gang.stop(signum=None,
+                              grace_period=self._signal_deadline - time.monotonic())
+
+    def _report_signal(self, elapsed: float, overdue: list[int]) -> int:
+        name = signal.Signals(self._signalled).name
+        if self._signal_count > 1:
+            outcome = "killed every worker on the second signal"
+        elif overdue:
+            outcome = (f"worker(s) {', '.join(map(str, overdue))} still running after the "
+                       f"{self.grace_period:g} s grace period, killed (SIGKILL)")
+        else:
+            outcome = "every worker exited"
+        self._say(f"stopped by {name} after {elapsed:.1f} s: {outcome}; "
+                  f"exiting with {128 + self._signalled}")
+        return 128 + self._signalled
 
     def run(self) -> int:
         """Runs until success, a signal, or the restart budget is spent; returns the exit code."""
@@ -284,6 +351,9 @@ class Launcher:
 
     def _run_attempts(self) -> int:
         for attempt in range(self.max_restarts + 1):
+            if self._signalled is not None:
+                # Signalled between attempts: starting workers now would only mean killing them.
+                return self._report_signal(0.0, [])
             self.gang = Gang(self.command, self.workers, self.host, self.port_base,
                              self.grace_period, attempt)
             self._say(f"attempt {attempt + 1}/{self.max_restarts + 1}: starting {self.workers} "
@@ -291,13 +361,12 @@ class Launcher:
             started = time.monotonic()
             self.gang.start(self.output)
             try:
-                code, index = self.gang.wait()
+                code, index = self._wait_for_gang()
             finally:
-                self.gang.stop()
+                overdue = self._stop_gang()
             elapsed = time.monotonic() - started
             if self._signalled is not None:
-                self._say(f"stopped by {signal.Signals(self._signalled).name} after {elapsed:.1f} s")
-                return 128 + self._signalled
+                return self._report_signal(elapsed, overdue)
             if code == 0:
                 self._say(f"all {self.workers} worker(s) finished successfully in {elapsed:.1f} s")
                 return 0

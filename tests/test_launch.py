@@ -17,6 +17,7 @@ from keras_mwms.launch import Gang, describe_exit, exit_code_of, find_free_ports
 from tests.multiworker import REPO, WORKERS_DIR
 
 WORKER = str(WORKERS_DIR / "launch_worker.py")
+STUBBORN_WORKER = str(WORKERS_DIR / "launch_stubborn_worker.py")
 
 
 def launch(tmp_path: Path, *launcher_args: str, worker_args=(), timeout=60, wait=True):
@@ -129,6 +130,80 @@ def test_sigterm_to_the_launcher_is_forwarded(tmp_path):
             process.kill()
     assert process.returncode == 128 + signal.SIGTERM, err
     assert "received SIGTERM" in err
+    assert_no_survivors(pid_dir)
+
+
+def wait_until(condition, timeout: float, failure: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.05)
+
+
+def start_stubborn_gang(tmp_path: Path, grace_period: float):
+    """A launcher with 2 workers that ignore SIGTERM and SIGINT, each with such a child."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    log_path = tmp_path / "launcher.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "keras_mwms.launch", "--workers", "2", "--grace-period",
+             str(grace_period), STUBBORN_WORKER, "--pid-dir", str(pid_dir)],
+            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
+            stderr=log)
+    wait_until(lambda: len(worker_pids(pid_dir)) == 4, 60, "the workers and their children never started")
+    return process, pid_dir, log_path
+
+
+def kill_leftovers(process: subprocess.Popen, pid_dir: Path) -> None:
+    """After a failed test: SIGKILL what the launcher left, by pid, if the pid is still ours."""
+    if process.poll() is None:
+        process.kill()
+        process.wait(timeout=30)
+    for pid in worker_pids(pid_dir):
+        try:
+            ours = str(pid_dir) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except FileNotFoundError:
+            continue
+        if ours:
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signalled_launcher_kills_workers_that_ignore_the_signal(tmp_path, signum):
+    grace_period = 2.0
+    process, pid_dir, log_path = start_stubborn_gang(tmp_path, grace_period)
+    try:
+        signalled = time.monotonic()
+        process.send_signal(signum)
+        process.wait(timeout=grace_period + 20)
+        elapsed = time.monotonic() - signalled
+    finally:
+        kill_leftovers(process, pid_dir)
+    log = log_path.read_text()
+    assert process.returncode == 128 + signum, log
+    assert elapsed < grace_period + 10, f"the launcher took {elapsed:.1f} s to exit"
+    assert f"worker(s) 0, 1 still running after the {grace_period:g} s grace period, killed" in log
+    assert_no_survivors(pid_dir)
+
+
+def test_a_second_signal_kills_at_once(tmp_path):
+    process, pid_dir, log_path = start_stubborn_gang(tmp_path, grace_period=120)
+    try:
+        process.send_signal(signal.SIGTERM)
+        # Two signals that arrive before the handler runs are one signal to Python.
+        wait_until(lambda: "received SIGTERM" in log_path.read_text(), 30,
+                   "the launcher never reported the first signal")
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+        elapsed = time.monotonic() - signalled
+    finally:
+        kill_leftovers(process, pid_dir)
+    log = log_path.read_text()
+    assert process.returncode == 128 + signal.SIGTERM, log
+    assert elapsed < 10, f"the launcher took {elapsed:.1f} s to exit after the second signal"
+    assert "killed every worker on the second signal" in log
     assert_no_survivors(pid_dir)
 
 
