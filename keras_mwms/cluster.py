@@ -277,7 +277,8 @@ def parse_tf_config(text: str) -> dict[str, Any]:
     """Parses and validates a `TF_CONFIG` JSON string.
 
     Returns `{"cluster": {...}, "task_type": str, "task_id": int, "rpc_layer": str | None,
-    "environment": str | None}`. Raises `TFConfigError` naming the bad field otherwise.
+    "environment": str | None, "session_master": str | None}`. Raises `TFConfigError` naming the
+    bad field otherwise.
 
     Example:
 
@@ -300,7 +301,7 @@ def parse_tf_config(text: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise _fail("TF_CONFIG", data, "must be a JSON object",
                     'Write it as {"cluster": {...}, "task": {...}}.')
-    unknown = sorted(set(data) - {"cluster", "task", "rpc_layer", "environment"})
+    unknown = sorted(set(data) - {"cluster", "task", "rpc_layer", "environment", "session_master"})
     if unknown:
         warnings.warn(f"TF_CONFIG has keys keras_mwms ignores: {unknown}.", stacklevel=2)
     if "cluster" not in data:
@@ -309,7 +310,7 @@ def parse_tf_config(text: str) -> dict[str, Any]:
     if "task" not in data:
         raise _fail("task", data, "is missing", 'Add "task": {"type": "worker", "index": N}.')
     task_type, task_id = _validate_task(data["task"], cluster)
-    for key in ("rpc_layer", "environment"):
+    for key in ("rpc_layer", "environment", "session_master"):
         if data.get(key) is not None and not isinstance(data[key], str):
             raise _fail(key, data[key], "must be a string", f"Remove `{key}` or make it a string.")
     return {
@@ -318,6 +319,7 @@ def parse_tf_config(text: str) -> dict[str, Any]:
         "task_id": task_id,
         "rpc_layer": data.get("rpc_layer"),
         "environment": data.get("environment"),
+        "session_master": data.get("session_master"),
     }
 
 
@@ -505,12 +507,14 @@ class TFConfigClusterResolver(ClusterResolver):
                  tf_config: str | None = None):
         text = os.environ.get(TF_CONFIG_ENV, "") if tf_config is None else tf_config
         self.tf_config_text = text
+        self._session_master: str | None = None
         if not text.strip():
             self._cluster = ClusterSpec()
             self._task_type, self._task_id = task_type, task_id
             self._rpc_layer, self._environment = rpc_layer, environment
             return
         config = parse_tf_config(text)
+        self._session_master = config["session_master"]
         self._cluster = ClusterSpec(config["cluster"])
         self._task_type = task_type if task_type is not None else config["task_type"]
         self._task_id = task_id if task_id is not None else config["task_id"]
@@ -523,6 +527,27 @@ class TFConfigClusterResolver(ClusterResolver):
     def is_single_worker(self) -> bool:
         """True when no `TF_CONFIG` was given."""
         return not self._cluster
+
+    def master(self, task_type: str | None = None, task_id: int | None = None,
+               rpc_layer: str | None = None) -> str:
+        """The TF1 session master, by TensorFlow's `TFConfigClusterResolver` rules.
+
+        `TF_CONFIG`'s `session_master` when it has one; `''` when the cluster holds a single
+        task (or none), whatever the arguments, because a lone task runs its session in
+        process; otherwise the task's address (this task by default), prefixed with
+        `rpc_layer://` unless the layer is empty. An `rpc_layer` argument, even `''`, wins over
+        `TF_CONFIG`'s.
+        """
+        if self._session_master is not None:
+            return self._session_master
+        jobs = self._cluster.jobs
+        if not jobs or (len(jobs) == 1 and self._cluster.num_tasks(jobs[0]) == 1):
+            return ""
+        task_type = task_type if task_type is not None else self.task_type
+        task_id = task_id if task_id is not None else self.task_id
+        address = self._cluster.task_address(task_type, task_id)
+        layer = rpc_layer if rpc_layer is not None else self.rpc_layer
+        return f"{layer}://{address}" if layer else address
 
 
 class SimpleClusterResolver(ClusterResolver):

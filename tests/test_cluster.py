@@ -112,6 +112,17 @@ def test_worker_view():
     assert resolver.master("worker", 0) == "localhost:2001"
 
 
+def test_master_follows_tensorflow_rules():
+    one_task = TFConfigClusterResolver(tf_config=config({"worker": ["localhost:2001"]}, rpc_layer="grpc"))
+    assert one_task.master() == one_task.master("worker", 0, rpc_layer="grpc") == ""
+    two = TFConfigClusterResolver(tf_config=config(task={"type": "worker", "index": 1}, rpc_layer="grpc"))
+    assert two.master() == "grpc://localhost:2002" and two.master(rpc_layer="") == "localhost:2002"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pinned = TFConfigClusterResolver(tf_config=config(session_master="grpc://m:1"))
+    assert pinned.master("worker", 1) == "grpc://m:1"
+
+
 def test_chief_job_comes_first_and_evaluator_is_not_in_the_group():
     cluster = {"chief": ["c:1"], "worker": ["w:1", "w:2"], "evaluator": ["e:1"]}
     chief = TFConfigClusterResolver(tf_config=config(cluster, {"type": "chief", "index": 0}))
@@ -185,6 +196,10 @@ PARITY_CONFIGS = [
     config({"chief": ["c:2000"], "worker": ["w0:2000", "w1:2000"], "evaluator": ["e:2000"]},
            {"type": "evaluator", "index": 0}),
     config({"chief": ["c:2000"], "worker": ["w0:2000", "w1:2000"]}, {"type": "worker", "index": 1}),
+    config({"worker": ["localhost:2001"]}),
+    config({"worker": ["localhost:2001"]}, rpc_layer="grpc"),
+    config({"chief": ["c:2000"]}, {"type": "chief", "index": 0}),
+    config(task={"type": "worker", "index": 1}, session_master="grpc://m:2000"),
 ]
 
 TF_SIDE = r"""
@@ -197,7 +212,8 @@ for text in json.load(sys.stdin):
     r = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     rows.append({"task_type": r.task_type, "task_id": r.task_id, "rpc_layer": r.rpc_layer,
                  "environment": r.environment, "master": r.master(),
-                 "master_grpc": r.master(rpc_layer="grpc"), "cluster": r.cluster_spec().as_dict()})
+                 "master_grpc": r.master(rpc_layer="grpc"), "master_no_layer": r.master(rpc_layer=""),
+                 "master_worker_0": r.master("worker", 0), "cluster": r.cluster_spec().as_dict()})
 print("PARITY" + json.dumps(rows))
 """
 
@@ -215,5 +231,6 @@ def test_parity_with_tensorflow_resolver():
         ours = TFConfigClusterResolver(tf_config=text)
         actual = {"task_type": ours.task_type, "task_id": ours.task_id, "rpc_layer": ours.rpc_layer,
                   "environment": ours.environment, "master": ours.master(),
-                  "master_grpc": ours.master(rpc_layer="grpc"), "cluster": ours.cluster_spec().as_dict()}
+                  "master_grpc": ours.master(rpc_layer="grpc"), "master_no_layer": ours.master(rpc_layer=""),
+                  "master_worker_0": ours.master("worker", 0), "cluster": ours.cluster_spec().as_dict()}
         assert actual == expected, text
