@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.multiworker import REPO, WORKERS_DIR, run_launcher, worker_env
+from tests.multiworker import REPO, WORKERS_DIR, python_worker, run_gang, run_launcher, worker_env
 from tests.workers.common import load_result, load_weights, max_weight_difference
 
 BACKENDS = ["tensorflow", "jax", "torch"]
@@ -175,3 +175,19 @@ def test_sigterm_on_one_worker_backs_up_and_stops_every_worker(runs):
         assert any("preempted (SIGTERM)" in line and "epoch 2, step 4" in line
                    for line in result.output.splitlines() if line.startswith(f"[worker {worker}]")), \
             result.output[-6000:]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tensorboard_leaves_no_scratch_directory_on_any_worker(backend, tmp_path):
+    temp_dirs = [tmp_path / f"tmp_w{index}" for index in range(2)]
+    for temp_dir in temp_dirs:
+        temp_dir.mkdir()
+    result = run_gang(python_worker("tensorboard_scratch.py", "--log-dir", str(tmp_path / "logs")),
+                      workers=2, timeout=300, env=worker_env(backend), grace_period=60,
+                      per_worker_env={index: {"TMPDIR": str(temp_dirs[index])} for index in range(2)})
+    for index in range(2):
+        assert any("scratch after fit: []" in line for line in result.lines(index)), result.output[-6000:]
+    assert result.returncode == 1 and "interrupted on purpose" in result.output, result.output[-6000:]
+    left = [path.name for temp_dir in temp_dirs for path in temp_dir.iterdir()
+            if path.name.startswith("keras_mwms-tensorboard-")]
+    assert not left, f"left behind: {left}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
 import shutil
 import tempfile
 
@@ -15,8 +17,11 @@ class TensorBoard(keras.callbacks.TensorBoard):
 
     The logs are global under keras_mwms, so the chief's summaries describe the whole job.
     Non-chief workers run the same callback code (so anything it computes stays in step) but
-    write into a private temporary directory that is deleted when training ends — the
-    `tf.distribute` convention — so nothing of theirs survives in `log_dir`.
+    write into a private temporary directory — the `tf.distribute` convention — so nothing of
+    theirs survives in `log_dir`. That directory exists only while the callback is in use: it
+    is made when Keras hands the callback its model and deleted when training ends, or when
+    the process exits if `fit` raised or only `evaluate`/`predict` used it. Only a worker
+    killed by a signal it does not handle can leave it behind.
 
     Example:
 
@@ -29,13 +34,29 @@ class TensorBoard(keras.callbacks.TensorBoard):
     """
 
     def __init__(self, log_dir="logs", *args, **kwargs):
-        self._scratch_dir = None
-        if not coordination.is_chief():
-            self._scratch_dir = tempfile.mkdtemp(prefix="keras_mwms-tensorboard-")
-            log_dir = self._scratch_dir
         super().__init__(log_dir, *args, **kwargs)
+        self._requested_log_dir = self.log_dir
+        self._scratch_dir: str | None = None
+        self._remove_scratch_dir_at_exit = None
+
+    def set_model(self, model):
+        # Decided here rather than in __init__: a callback may be built before the strategy.
+        if self._scratch_dir is None and not coordination.is_chief():
+            self._scratch_dir = tempfile.mkdtemp(prefix="keras_mwms-tensorboard-")
+            # `fit` skips on_train_end when it raises, and evaluate/predict never call it.
+            # Registered now, after the strategy's own exit hooks, this one runs before them
+            # (last in, first out), so a backend that ends a failed worker with os._exit
+            # (JAX) cannot skip it.
+            self._remove_scratch_dir_at_exit = functools.partial(
+                shutil.rmtree, self._scratch_dir, ignore_errors=True)
+            atexit.register(self._remove_scratch_dir_at_exit)
+            self.log_dir = self._scratch_dir
+        super().set_model(model)
 
     def on_train_end(self, logs=None):
         super().on_train_end(logs)
         if self._scratch_dir is not None:
-            shutil.rmtree(self._scratch_dir, ignore_errors=True)
+            self._remove_scratch_dir_at_exit()
+            atexit.unregister(self._remove_scratch_dir_at_exit)
+            self._scratch_dir = self._remove_scratch_dir_at_exit = None
+            self.log_dir = self._requested_log_dir
