@@ -30,6 +30,7 @@ model.fit(x, y, batch_size=64, epochs=2)                   # 64 = the global bat
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import functools
 import inspect
@@ -42,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from keras_mwms.backends import tensorflow_gradients
 from keras_mwms.backends.base import Backend, require_tested_keras
 from keras_mwms.cluster import ClusterResolver
 from keras_mwms.communication import CommunicationImplementation, CommunicationOptions
@@ -180,6 +182,8 @@ class TensorFlowBackend(Backend):
                 "build models, seeds and data afterwards."
             ) from error
         _backends_by_tf_strategy[id(self.strategy)] = self
+        tensorflow_gradients.install()
+        tensorflow_gradients.wrap_run(self.strategy)
 
     @property
     def replicas_per_worker(self) -> int:
@@ -418,16 +422,20 @@ def _check_same_rows(backend: TensorFlowBackend, x, what: str) -> None:
 
 
 def _align_shuffle_seed(backend: TensorFlowBackend) -> None:
-    """Makes Keras' array shuffle draw the same permutation on every worker.
+    """Makes Keras' shuffles draw the same order on every worker.
 
-    Keras shuffles arrays with `tf.random.shuffle` seeded from TF's global seed; workers seeded
-    differently would each take their slice of a *different* permutation (rows duplicated and
-    lost). The chief's seed, drawn from NumPy's global generator, is set everywhere.
+    Keras shuffles arrays with `tf.random.shuffle` seeded from TF's global seed, and a
+    PyDataset's batch order with Python's `random`; workers seeded differently would each take
+    their slice of a *different* order (rows duplicated and lost). The chief's TF seed, drawn
+    from NumPy's global generator, and its Python `random` state are set everywhere.
     """
+    import random
+
     import tensorflow as tf
 
-    seed = int(np.random.randint(0, 2**31 - 1))
-    tf.random.set_seed(backend.broadcast_object(seed))
+    seed, python_state = backend.broadcast_object((int(np.random.randint(0, 2**31 - 1)), random.getstate()))
+    tf.random.set_seed(seed)
+    random.setstate(python_state)
 
 
 def _wrap_trainer_method(method_name: str, original: Callable) -> Callable:
@@ -437,8 +445,11 @@ def _wrap_trainer_method(method_name: str, original: Callable) -> Callable:
     def method(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs)
         _prepare_call(self, method_name, bound)
+        in_keras_loop = (tensorflow_gradients.keras_loop() if _backend_for_model(self) is not None
+                         and method_name in ("fit", "evaluate") else contextlib.nullcontext())
         try:
-            return original(*bound.args, **bound.kwargs)
+            with in_keras_loop:
+                return original(*bound.args, **bound.kwargs)
         except Exception as error:
             _raise_if_worker_lost(_backend_for_model(self), f"model.{method_name}()", error)
             raise
@@ -500,6 +511,8 @@ def _maybe_symbolic_build(self, iterator=None, data_batch=None):
     if self._distribute_strategy is None:
         return
     if iterator is not None:
+        data_batch = _batch_without_iterating(getattr(iterator, "data_adapter", None))
+    if iterator is not None and data_batch is None:
         for _, _, batches in iterator:
             batch = next(batches)
             data_batch = tree.map_structure(
@@ -508,6 +521,25 @@ def _maybe_symbolic_build(self, iterator=None, data_batch=None):
             break
     with self.distribute_strategy.scope():
         self._symbolic_build(data_batch=data_batch)
+
+
+def _batch_without_iterating(adapter):
+    """A batch for the symbolic build that consumes nothing from a generator or a PyDataset.
+
+    Iterating the epoch iterator for the build, as Keras does, pulls batches out of a Python
+    generator through tf.data's prefetch thread (an unknown number of them, lost for the
+    epoch), and draws one more PyDataset shuffle from Python's `random`; one process of plain
+    Keras does neither.
+    """
+    from keras.src.trainers.data_adapters.generator_data_adapter import GeneratorDataAdapter
+    from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
+
+    if isinstance(adapter, GeneratorDataAdapter):
+        return adapter._first_batches[0]
+    if isinstance(adapter, PyDatasetAdapter):
+        batch = adapter.py_dataset[0]
+        return batch if isinstance(batch, tuple) else (batch,)
+    return None
 
 
 def _make_reduce_per_replica(original: Callable) -> Callable:

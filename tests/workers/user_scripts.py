@@ -1,0 +1,431 @@
+"""Scripts written the way Keras users write them, each a *variant*, dumped for the tests.
+
+Runs in every worker of a gang, and with `--plain` as the reference: one process of plain
+Keras, without keras_mwms imported at all. Every variant builds its own model from the same
+seed, trains on the same global batches and writes `OUT/<variant>/w<index>.npz` (final weights)
+and `OUT/<variant>/w<index>.json` (history, evaluate, predictions, captured output, warnings,
+and the error if it raised). One variant's exception is recorded and the next one runs, so one
+gang serves every assertion.
+
+    python user_scripts.py OUT [--plain] [--only VARIANT,VARIANT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import sys
+import traceback
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("--plain", action="store_true", help="plain Keras, one process (the reference)")
+parser.add_argument("--only", default="", help="comma-separated variant names (default: all)")
+arguments = parser.parse_args()
+
+if arguments.plain:
+    strategy = None
+else:
+    import keras_mwms
+
+    # First, before any TensorFlow operation (TF can only configure collectives before).
+    strategy = keras_mwms.MultiWorkerMirroredStrategy()
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+BACKEND = keras.backend.backend()
+INDEX = 0 if strategy is None else strategy.worker_index
+IS_CHIEF = INDEX == 0
+ROWS, BATCH, EPOCHS = 100, 16, 2     # 6 full global batches and a last one of 4 rows
+SEED = 1234
+
+
+def scope():
+    return contextlib.nullcontext() if strategy is None else strategy.scope()
+
+
+def regression(rows: int = ROWS):
+    return common.regression_data(rows)
+
+
+def classification(rows: int = ROWS):
+    return common.classification_data(rows)
+
+
+def mlp(outputs: int = 1):
+    return common.mlp(outputs=outputs)
+
+
+def fit_arrays(model, x, y, **kwargs):
+    kwargs.setdefault("batch_size", BATCH)
+    kwargs.setdefault("epochs", EPOCHS)
+    kwargs.setdefault("shuffle", False)
+    kwargs.setdefault("verbose", 0)
+    return model.fit(x, y, **kwargs).history
+
+
+# -- the variants ---------------------------------------------------------------------------
+# Each returns (model or list of weights, dict of results to dump).
+
+def variant_sgd_arrays():
+    x, y = regression()
+    with scope():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    return model, {"history": fit_arrays(model, x, y)}
+
+
+def variant_save_on_chief():
+    """TensorFlow's tutorial idiom: only the chief saves, then plain Keras reloads the file."""
+    x, y = regression()
+    with scope():
+        model = mlp()
+        model.compile(optimizer="adam", loss="mse")
+    history = fit_arrays(model, x, y)
+    results = {"history": history}
+    if IS_CHIEF:
+        folder = os.path.join(arguments.out, "save_on_chief")
+        os.makedirs(folder, exist_ok=True)
+        model.save(os.path.join(folder, "model.keras"))
+        model.save_weights(os.path.join(folder, "model.weights.h5"))
+        reloaded = keras.models.load_model(os.path.join(folder, "model.keras"))
+        results["reloaded_max_difference"] = max(
+            float(np.abs(a - b).max()) for a, b in zip(reloaded.get_weights(), model.get_weights()))
+        results["chief_predict"] = model.predict(x[:5], verbose=0).tolist()
+        fresh = mlp()
+        fresh.load_weights(os.path.join(folder, "model.weights.h5"))
+        results["weights_file_max_difference"] = max(
+            float(np.abs(a - b).max()) for a, b in zip(fresh.get_weights(), model.get_weights()))
+    return model, results
+
+
+def variant_generator():
+    x, y = regression()
+
+    def batches():
+        while True:
+            for start in range(0, ROWS, BATCH):
+                yield x[start:start + BATCH], y[start:start + BATCH]
+
+    with scope():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    steps = -(-ROWS // BATCH)
+    history = model.fit(batches(), steps_per_epoch=steps, epochs=EPOCHS, verbose=0).history
+    return model, {"history": history}
+
+
+def _clipped(**clip):
+    x, y = regression()
+    x = x * 4.0    # large gradients, so the clipping is active
+    with scope():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.SGD(0.05, **clip), loss="mse")
+    return model, {"history": fit_arrays(model, x, y)}
+
+
+def variant_clipnorm():
+    return _clipped(clipnorm=0.05)
+
+
+def variant_global_clipnorm():
+    return _clipped(global_clipnorm=0.05)
+
+
+def variant_clipvalue():
+    return _clipped(clipvalue=0.002)
+
+
+def variant_accumulation_sgd():
+    x, y = regression()
+    with scope():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.SGD(0.05, gradient_accumulation_steps=2),
+                      loss="mse", metrics=["mae"])
+    return model, {"history": fit_arrays(model, x, y)}
+
+
+def variant_accumulation_adam():
+    x, y = regression()
+    with scope():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.Adam(1e-2, gradient_accumulation_steps=2),
+                      loss="mse")
+    return model, {"history": fit_arrays(model, x, y)}
+
+
+def _custom_model_class():
+    """The train_step of Keras' "Customizing what happens in fit()" guide of this backend."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        class CustomModel(keras.Model):
+            def train_step(self, data):
+                x, y = data
+                with tf.GradientTape() as tape:
+                    y_pred = self(x, training=True)
+                    loss = self.compute_loss(y=y, y_pred=y_pred)
+                gradients = tape.gradient(loss, self.trainable_variables)
+                self.optimizer.apply(gradients, self.trainable_variables)
+                for metric in self.metrics:
+                    if metric.name == "loss":
+                        metric.update_state(loss)
+                    else:
+                        metric.update_state(y, y_pred)
+                return {m.name: m.result() for m in self.metrics}
+
+    elif BACKEND == "jax":
+        import jax
+
+        class CustomModel(keras.Model):
+            def compute_loss_and_updates(self, trainable_variables, non_trainable_variables, x, y,
+                                         training=False):
+                y_pred, non_trainable_variables = self.stateless_call(
+                    trainable_variables, non_trainable_variables, x, training=training)
+                loss = self.compute_loss(x, y, y_pred)
+                return loss, (y_pred, non_trainable_variables)
+
+            def train_step(self, state, data):
+                trainable_variables, non_trainable_variables, optimizer_variables, metrics_variables = state
+                x, y = data
+                grad_fn = jax.value_and_grad(self.compute_loss_and_updates, has_aux=True)
+                (loss, (y_pred, non_trainable_variables)), grads = grad_fn(
+                    trainable_variables, non_trainable_variables, x, y, training=True)
+                trainable_variables, optimizer_variables = self.optimizer.stateless_apply(
+                    optimizer_variables, grads, trainable_variables)
+                new_metrics_vars, logs = [], {}
+                for metric in self.metrics:
+                    these = metrics_variables[len(new_metrics_vars):len(new_metrics_vars) + len(metric.variables)]
+                    if metric.name == "loss":
+                        these = metric.stateless_update_state(these, loss)
+                    else:
+                        these = metric.stateless_update_state(these, y, y_pred)
+                    logs[metric.name] = metric.stateless_result(these)
+                    new_metrics_vars += these
+                return logs, (trainable_variables, non_trainable_variables, optimizer_variables,
+                              new_metrics_vars)
+
+    else:
+        import torch
+
+        class CustomModel(keras.Model):
+            def train_step(self, data):
+                x, y = data
+                self.zero_grad()
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(y=y, y_pred=y_pred)
+                loss.backward()
+                trainable_weights = list(self.trainable_weights)
+                gradients = [v.value.grad for v in trainable_weights]
+                with torch.no_grad():
+                    self.optimizer.apply(gradients, trainable_weights)
+                for metric in self.metrics:
+                    if metric.name == "loss":
+                        metric.update_state(loss)
+                    else:
+                        metric.update_state(y, y_pred)
+                return {m.name: m.result() for m in self.metrics}
+
+    return CustomModel
+
+
+def variant_custom_train_step():
+    x, y = regression()
+    with scope():
+        inputs = keras.Input((common.NUM_FEATURES,))
+        hidden = keras.layers.Dense(16, activation="relu")(inputs)
+        model = _custom_model_class()(inputs, keras.layers.Dense(1)(hidden))
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    history = fit_arrays(model, x, y)
+    return model, {"history": history}
+
+
+def _batches_pydataset(x, y, shuffle_kwargs=None):
+    class Batches(keras.utils.PyDataset):
+        def __init__(self):
+            super().__init__(**(shuffle_kwargs or {}))
+
+        def __len__(self):
+            return -(-len(x) // BATCH)
+
+        def __getitem__(self, index):
+            rows = slice(index * BATCH, (index + 1) * BATCH)
+            return x[rows], y[rows]
+
+    return Batches()
+
+
+def variant_pydataset_shuffle():
+    x, y = regression()
+    with scope():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    history = model.fit(_batches_pydataset(x, y), epochs=EPOCHS, shuffle=True, verbose=0).history
+    return model, {"history": history}
+
+
+def variant_tfdata_worker_seeds():
+    """tf.data shuffled with a different seed on each worker: must not pass silently."""
+    import tensorflow as tf
+
+    x, y = regression()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(ROWS, seed=10 + INDEX).batch(BATCH)
+    with scope():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    history = model.fit(dataset, epochs=1, verbose=0).history
+    return model, {"history": history}
+
+
+def variant_weights_after_build():
+    """Seeded differently per worker; the weights right after building must already agree."""
+    keras.utils.set_random_seed(SEED + INDEX)
+    with scope():
+        model = mlp()
+        model.compile(optimizer="sgd", loss="mse")
+    return model, {}
+
+
+def variant_verbose2():
+    x, y = regression()
+    with scope():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        history = fit_arrays(model, x, y, verbose=2)
+    return model, {"history": history, "printed": printed.getvalue()}
+
+
+def variant_functional_dict():
+    x, y = regression()
+    with scope():
+        first = keras.Input((8,), name="first")
+        second = keras.Input((common.NUM_FEATURES - 8,), name="second")
+        joined = keras.layers.Concatenate()([keras.layers.Dense(8, activation="relu")(first), second])
+        model = keras.Model({"first": first, "second": second}, keras.layers.Dense(1)(joined))
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    inputs = {"first": x[:, :8], "second": x[:, 8:]}
+    return model, {"history": fit_arrays(model, inputs, y)}
+
+
+def variant_sample_weight():
+    x, y = regression()
+    weights = np.linspace(0.2, 2.0, ROWS).astype("float32")
+    with scope():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", weighted_metrics=["mae"])
+    return model, {"history": fit_arrays(model, x, y, sample_weight=weights)}
+
+
+def variant_class_weight():
+    x, y = classification()
+    with scope():
+        model = mlp(common.NUM_CLASSES)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), metrics=["accuracy"],
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model, {"history": fit_arrays(model, x, y, class_weight={0: 0.5, 1: 1.0, 2: 2.0})}
+
+
+def variant_validation_split():
+    x, y = regression()
+    with scope():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    return model, {"history": fit_arrays(model, x, y, validation_split=0.25)}
+
+
+def variant_early_stopping_reduce_lr():
+    x, y = regression()
+    with scope():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.SGD(0.3), loss="mse")
+    callbacks = [keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=0.01),
+                 keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=0, factor=0.5, min_delta=0.05)]
+    history = fit_arrays(model, x, y, epochs=8, callbacks=callbacks)
+    return model, {"history": history, "epochs_run": len(history["loss"])}
+
+
+def variant_embedding_lstm():
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(1, 50, size=(ROWS, 6)).astype("int32")
+    labels = (tokens.sum(-1) % 2).astype("int32")
+    with scope():
+        model = keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(50, 8),
+                                  keras.layers.LSTM(8), keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), metrics=["accuracy"],
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model, {"history": fit_arrays(model, tokens, labels)}
+
+
+def variant_weight_decay():
+    x, y = regression()
+    with scope():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.AdamW(1e-2, weight_decay=0.05), loss="mse")
+    return model, {"history": fit_arrays(model, x, y)}
+
+
+def variant_ema():
+    x, y = regression()
+    with scope():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.SGD(0.05, use_ema=True, ema_momentum=0.9), loss="mse")
+    return model, {"history": fit_arrays(model, x, y)}
+
+
+def variant_loss_scale():
+    x, y = regression()
+    with scope():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05)),
+                      loss="mse")
+    return model, {"history": fit_arrays(model, x, y)}
+
+
+def variant_evaluate_predict_uneven():
+    x, y = regression()
+    with scope():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    history = fit_arrays(model, x, y)
+    evaluated = model.evaluate(x[:37], y[:37], batch_size=8, verbose=0, return_dict=True)
+    predicted = model.predict(x[:37], batch_size=8, verbose=0)
+    return model, {"history": history, "evaluate": evaluated, "predict": predicted.tolist()}
+
+
+VARIANTS = {name[len("variant_"):]: function for name, function in sorted(globals().items())
+            if name.startswith("variant_")}
+
+
+def run_variant(name: str) -> None:
+    keras.utils.set_random_seed(SEED)
+    folder = os.path.join(arguments.out, name)
+    results: dict = {}
+    weights = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            model, results = VARIANTS[name]()
+            weights = model.get_weights()
+        except Exception as error:     # recorded for the test; the next variant still runs
+            results = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+            common.log(f"variant {name} raised:", results["traceback"])
+    results["warnings"] = [str(warning.message) for warning in caught]
+    os.makedirs(folder, exist_ok=True)
+    if weights is not None:
+        np.savez(os.path.join(folder, f"w{INDEX}.npz"), *weights)
+    common.save_result(folder, INDEX, **results)
+    common.log(f"variant {name} done")
+
+
+for variant_name in (arguments.only.split(",") if arguments.only else VARIANTS):
+    run_variant(variant_name)
+common.log("all variants done")
