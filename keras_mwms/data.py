@@ -190,3 +190,52 @@ def uneven_rows_error(rows_per_worker, worker_index: int, what: str) -> ValueErr
         "every global batch. For per-worker data, use a dataset with "
         "AutoShardPolicy.OFF or strategy.distribute_datasets_from_function, and the same number "
         "of batches on every worker.")
+
+
+def first_batch_digest(x) -> str | None:
+    """A short digest of the first global batch of a `tf.data.Dataset` input, else None.
+
+    Every worker reads the same global batches and keeps its slice, so the first batch must be
+    the same everywhere; a dataset shuffled with a different seed on each worker (or with none)
+    breaks that silently — each worker slices a *different* order, and an epoch trains on
+    some rows twice and others never. Reading one batch from a fresh iterator costs one
+    shuffle-buffer fill; the training iterator is separate, so nothing is consumed.
+
+    Example:
+
+    >>> first_batch_digest(np.zeros(3)) is None
+    True
+    """
+    import sys
+
+    tf = sys.modules.get("tensorflow")
+    if tf is None or not isinstance(x, tf.data.Dataset):
+        return None
+    import hashlib
+
+    digest = hashlib.sha256()
+    for leaf in tf.nest.flatten(next(iter(x.take(1)))):
+        digest.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def different_first_batches_warning(digests: list[str | None], what: str) -> str | None:
+    """The warning when workers' first global batches differ (see `first_batch_digest`), else None.
+
+    Example:
+
+    >>> print(different_first_batches_warning(["a1", "a1", "b2"], "model.fit()"))  # doctest: +ELLIPSIS
+    keras_mwms: model.fit(): the workers' datasets start with different global batches (worker 2 differs from worker 0)...
+    >>> different_first_batches_warning(["a1", "a1"], "model.fit()") is None
+    True
+    """
+    if len(set(digests)) <= 1:
+        return None
+    odd = ", ".join(str(index) for index, digest in enumerate(digests) if digest != digests[0])
+    return (
+        f"keras_mwms: {what}: the workers' datasets start with different global batches (worker "
+        f"{odd} differs from worker 0), so each worker takes its slice of a different order and "
+        "an epoch trains on some rows twice and on others never. Usually a `shuffle` without a "
+        "seed, or with a different seed per worker: use `.shuffle(buffer, seed=S)` with the same "
+        "S everywhere (or call keras.utils.set_random_seed(S) with the same S on every worker "
+        "before building the dataset).")

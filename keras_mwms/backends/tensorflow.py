@@ -38,6 +38,7 @@ import pickle
 import re
 import sys
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -235,7 +236,17 @@ class TensorFlowBackend(Backend):
             return tf.constant(array if keep else np.zeros_like(array))
 
         per_replica = self.strategy.experimental_distribute_values_from_function(value_for)
-        return np.asarray(self.strategy.reduce("SUM", per_replica, axis=None))
+        return np.asarray(self._traced_sum(per_replica))
+
+    @functools.cached_property
+    def _traced_sum(self):
+        """SUM across replicas inside a `tf.function`: eagerly, TF logs "Using
+        CollectiveAllReduceStrategy eagerly has significant overhead" on every call (every
+        epoch of BackupAndRestore)."""
+        import tensorflow as tf
+
+        return tf.function(lambda per_replica: self.strategy.reduce("SUM", per_replica, axis=None),
+                           reduce_retracing=True)
 
     def update_config_proto(self, config_proto: Any) -> Any:
         """compat.v1: a copy of `config_proto` with this strategy's collective settings."""
@@ -364,8 +375,9 @@ def _prepare_call(model, method: str, bound: inspect.BoundArguments) -> None:
                 "keras_mwms strategy.scope(). Create the model (and compile it) under "
                 "`with strategy.scope():` to train on all workers.", stacklevel=4)
         return
-    if arguments.get("verbose", "auto") == "auto" and not backend.is_chief:
-        # The chief's progress bar is the job's; N identical bars interleave in one log.
+    if not backend.is_chief:
+        # The chief's progress bar and epoch lines are the job's (logs are global): N identical
+        # copies would interleave in one log.
         arguments["verbose"] = 0
     x = arguments.get("x")
     if method == "fit" and arguments.get("shuffle", True) and not isinstance(x, tf.data.Dataset):
@@ -375,6 +387,8 @@ def _prepare_call(model, method: str, bound: inspect.BoundArguments) -> None:
         return
     if method in ("fit", "evaluate"):
         _check_same_rows(backend, x, f"model.{method}()")
+    if method == "fit":
+        _warn_if_first_batches_differ(backend, x, f"model.{method}()")
     if model.jit_compile and backend._gpu_count == 0:
         _compile_without_xla(model)
     if getattr(model, "steps_per_execution", 1) > 1:
@@ -383,7 +397,7 @@ def _prepare_call(model, method: str, bound: inspect.BoundArguments) -> None:
             "supported on a multi-worker TensorFlow strategy with Keras 3.15: Keras' multi-step "
             "loop puts collectives inside tf.cond/tf.while_loop, which fails with 'You must feed "
             "a value for placeholder tensor'. Compile with steps_per_execution=1.")
-    if _shard_policy_is_off(x):
+    if _shard_policy_is_off(x) and method != "predict":
         arguments["x"] = _distribute_unsharded_dataset(backend, x, f"model.{method}()")
 
 
@@ -421,6 +435,20 @@ def _check_same_rows(backend: TensorFlowBackend, x, what: str) -> None:
         raise error
 
 
+def _warn_if_first_batches_differ(backend: Backend, x, what: str) -> None:
+    """Warns on every worker when the workers' tf.data inputs start with different batches."""
+    from keras_mwms.data import different_first_batches_warning, first_batch_digest
+
+    # AutoShardPolicy.OFF: each worker's dataset is its own data, different by design.
+    digest = None if _shard_policy_is_off(x) else first_batch_digest(x)
+    digests = [backend.broadcast_object(digest, root=root) for root in range(backend.num_workers)]
+    if all(value is None for value in digests):
+        return
+    message = different_first_batches_warning(digests, what)
+    if message is not None:
+        warnings.warn(message, stacklevel=5)
+
+
 def _align_shuffle_seed(backend: TensorFlowBackend) -> None:
     """Makes Keras' shuffles draw the same order on every worker.
 
@@ -445,7 +473,10 @@ def _wrap_trainer_method(method_name: str, original: Callable) -> Callable:
     def method(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs)
         _prepare_call(self, method_name, bound)
-        in_keras_loop = (tensorflow_gradients.keras_loop() if _backend_for_model(self) is not None
+        backend = _backend_for_model(self)
+        if method_name == "predict" and backend is not None and backend.num_workers > 1:
+            return _predict_on_this_worker(self, original, bound)
+        in_keras_loop = (tensorflow_gradients.keras_loop() if backend is not None
                          and method_name in ("fit", "evaluate") else contextlib.nullcontext())
         try:
             with in_keras_loop:
@@ -456,6 +487,28 @@ def _wrap_trainer_method(method_name: str, original: Callable) -> Callable:
 
     method.__keras_mwms_original__ = original
     return method
+
+
+_local_predict_functions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _predict_on_this_worker(model, original: Callable, bound: inspect.BoundArguments):
+    """`model.predict` of a multi-worker model, on this worker alone, without any collective.
+
+    Predictions need no collective: every worker predicts all rows itself (the variables are
+    identical everywhere). So `if strategy.is_chief: model.predict(...)`, a path one worker
+    runs alone, cannot hang or abort the peers' collectives, and every worker gets the whole
+    result in order. The model's strategy is set aside for the call; its local predict
+    function is kept for the next call.
+    """
+    saved_strategy, saved_function = model._distribute_strategy, model.predict_function
+    model._distribute_strategy = None
+    model.predict_function = _local_predict_functions.get(model)
+    try:
+        return original(*bound.args, **bound.kwargs)
+    finally:
+        _local_predict_functions[model] = model.predict_function
+        model._distribute_strategy, model.predict_function = saved_strategy, saved_function
 
 
 def _raise_if_worker_lost(backend: TensorFlowBackend | None, what: str, error: Exception) -> None:

@@ -79,11 +79,12 @@ def wrap_run(strategy) -> None:
             import tensorflow as tf
 
             rows = _rows_of((step_args, step_kwargs))
-            if rows is None:
-                return fn(*step_args, **step_kwargs)
-            context = tf.distribute.get_replica_context()
-            global_rows = context.all_reduce(tf.distribute.ReduceOp.SUM, rows)
-            _state.factor = tf.math.divide_no_nan(rows * context.num_replicas_in_sync, global_rows)
+            if rows is None:        # no batch to count: every replica's loss counts once
+                _state.factor = tf.constant(1.0)
+            else:
+                context = tf.distribute.get_replica_context()
+                global_rows = context.all_reduce(tf.distribute.ReduceOp.SUM, rows)
+                _state.factor = tf.math.divide_no_nan(rows * context.num_replicas_in_sync, global_rows)
             try:
                 return fn(*step_args, **step_kwargs)
             finally:
@@ -131,8 +132,10 @@ def _apply_after_all_reduce(original: Callable) -> Callable:
         if context is None or id(self._distribution_strategy) not in _our_strategies:
             return original(self, grads, trainable_variables)
         # In a Keras loop the losses are already row-weighted: average. Elsewhere Keras scaled
-        # each replica's loss by 1/replicas: sum, as Keras does.
-        operation = tf.distribute.ReduceOp.MEAN if _row_factor() is not None else tf.distribute.ReduceOp.SUM
+        # each replica's loss by 1/replicas: sum, as Keras does. (A global flag, not the
+        # replica thread's factor: LossScaleOptimizer applies from a replica thread of its own.)
+        operation = (tf.distribute.ReduceOp.MEAN if _keras_loops_running[0]
+                     else tf.distribute.ReduceOp.SUM)
         reduced = context.all_reduce(operation, list(grads))
 
         def update(distribution, reduced_grads):

@@ -284,6 +284,18 @@ def variant_tfdata_worker_seeds():
     return model, {"history": history}
 
 
+def variant_backup_and_restore():
+    """keras_mwms' BackupAndRestore in the gang, Keras' own in the plain reference."""
+    x, y = regression()
+    folder = os.path.join(arguments.out, "backup_and_restore", "backup")
+    callbacks = keras.callbacks if strategy is None else keras_mwms.callbacks
+    with scope():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    history = fit_arrays(model, x, y, epochs=3, callbacks=[callbacks.BackupAndRestore(folder)])
+    return model, {"history": history}
+
+
 def variant_weights_after_build():
     """Seeded differently per worker; the weights right after building must already agree."""
     keras.utils.set_random_seed(SEED + INDEX)
