@@ -248,6 +248,10 @@ class TensorFlowBackend(Backend):
         return tf.function(lambda per_replica: self.strategy.reduce("SUM", per_replica, axis=None),
                            reduce_retracing=True)
 
+    def all_reduce_sum(self, array: np.ndarray) -> np.ndarray:
+        """SUM of every worker's `array` (numpy in, numpy out)."""
+        return self._all_reduce_sum(np.asarray(array))
+
     def update_config_proto(self, config_proto: Any) -> Any:
         """compat.v1: a copy of `config_proto` with this strategy's collective settings."""
         return self.strategy.extended._update_config_proto(config_proto)
