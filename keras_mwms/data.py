@@ -193,13 +193,16 @@ def uneven_rows_error(rows_per_worker, worker_index: int, what: str) -> ValueErr
 
 
 def first_batch_digest(x) -> str | None:
-    """A short digest of the first global batch of a `tf.data.Dataset` input, else None.
+    """A short digest of what decides the first global batch of a `tf.data.Dataset` input, else None.
 
     Every worker reads the same global batches and keeps its slice, so the first batch must be
     the same everywhere; a dataset shuffled with a different seed on each worker (or with none)
-    breaks that silently — each worker slices a *different* order, and an epoch trains on
-    some rows twice and others never. Reading one batch from a fresh iterator costs one
-    shuffle-buffer fill; the training iterator is separate, so nothing is consumed.
+    breaks that silently — each worker slices a *different* order, and an epoch trains on some
+    rows twice and others never. When the pipeline shuffles, the digest covers the shuffles'
+    seeds (a shuffle without any seed gets a random one per process, so it never matches):
+    reading a batch from a fresh iterator would advance a reshuffling dataset to its next
+    order, and training would start one shuffle later than in one process. Otherwise it covers
+    the first batch itself, read from a fresh iterator (nothing is consumed from training's).
 
     Example:
 
@@ -214,9 +217,34 @@ def first_batch_digest(x) -> str | None:
     import hashlib
 
     digest = hashlib.sha256()
-    for leaf in tf.nest.flatten(next(iter(x.take(1)))):
-        digest.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+    shuffles = _shuffle_seeds(x)
+    if shuffles:
+        digest.update(repr(shuffles).encode())
+    else:
+        for leaf in tf.nest.flatten(next(iter(x.take(1)))):
+            digest.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
     return digest.hexdigest()[:16]
+
+
+def _shuffle_seeds(dataset) -> list:
+    """The (seed, seed2) of every `shuffle` in a tf.data pipeline; unseeded ones get a random pair."""
+    import os
+
+    seeds, pending, seen = [], [dataset], set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if type(current).__name__ == "_ShuffleDataset":
+            pair = tuple(None if value is None else int(np.asarray(value))
+                         for value in (current._seed, current._seed2))
+            seeds.append(pair if pair != (None, None) else ("unseeded", os.urandom(8).hex()))
+        try:
+            pending.extend(current._inputs())
+        except (NotImplementedError, AttributeError):
+            continue
+    return seeds
 
 
 def different_first_batches_warning(digests: list[str | None], what: str) -> str | None:

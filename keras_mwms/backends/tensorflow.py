@@ -454,20 +454,27 @@ def _warn_if_first_batches_differ(backend: Backend, x, what: str) -> None:
 
 
 def _align_shuffle_seed(backend: TensorFlowBackend) -> None:
-    """Makes Keras' shuffles draw the same order on every worker.
+    """Makes Keras' shuffles draw the chief's order on every worker.
 
-    Keras shuffles arrays with `tf.random.shuffle` seeded from TF's global seed, and a
-    PyDataset's batch order with Python's `random`; workers seeded differently would each take
-    their slice of a *different* order (rows duplicated and lost). The chief's TF seed, drawn
-    from NumPy's global generator, and its Python `random` state are set everywhere.
+    Keras shuffles arrays inside a tf.data graph whose random ops are seeded from TF's global
+    seed, and a PyDataset's batch order with Python's `random`; workers seeded differently
+    would each take their slice of a *different* order (rows duplicated and lost). The chief's
+    global seed (one drawn from NumPy when it has none) and Python `random` state are set on
+    the workers where they differ; the chief's own state is left as it is, so its order is
+    the one plain Keras draws in one process with the same seeds.
     """
     import random
 
     import tensorflow as tf
+    from tensorflow.python.eager import context
 
-    seed, python_state = backend.broadcast_object((int(np.random.randint(0, 2**31 - 1)), random.getstate()))
-    tf.random.set_seed(seed)
-    random.setstate(python_state)
+    own_seed = context.global_seed()
+    chosen = own_seed if own_seed is not None else int(np.random.randint(0, 2**31 - 1))
+    seed, python_state = backend.broadcast_object((chosen, random.getstate()))
+    if seed != own_seed:
+        tf.random.set_seed(seed)
+    if python_state != random.getstate():
+        random.setstate(python_state)
 
 
 def _wrap_trainer_method(method_name: str, original: Callable) -> Callable:
@@ -591,12 +598,31 @@ def _batch_without_iterating(adapter):
     from keras.src.trainers.data_adapters.generator_data_adapter import GeneratorDataAdapter
     from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
 
+    from keras.src.trainers.data_adapters.tf_dataset_adapter import TFDatasetAdapter
+
     if isinstance(adapter, GeneratorDataAdapter):
         return adapter._first_batches[0]
     if isinstance(adapter, PyDatasetAdapter):
         batch = adapter.py_dataset[0]
         return batch if isinstance(batch, tuple) else (batch,)
+    if isinstance(adapter, TFDatasetAdapter):
+        # A new iterator of a dataset shuffled with `reshuffle_each_iteration` advances its
+        # seed: training would start at the *second* shuffle order. Zeros of the element spec
+        # have the shapes and dtypes the build needs.
+        return _zeros_like_spec(adapter._dataset.element_spec)
     return None
+
+
+def _zeros_like_spec(spec):
+    """A batch of zeros matching a dataset's dense `element_spec` (batch dimension 1), else None."""
+    import tensorflow as tf
+
+    leaves = tf.nest.flatten(spec)
+    if not all(isinstance(leaf, tf.TensorSpec) for leaf in leaves):
+        return None
+    batch = tf.nest.map_structure(
+        lambda leaf: tf.zeros([1 if size is None else size for size in leaf.shape], leaf.dtype), spec)
+    return batch if isinstance(batch, tuple) else (batch,)
 
 
 def _make_reduce_per_replica(original: Callable) -> Callable:
