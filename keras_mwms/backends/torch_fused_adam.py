@@ -1,26 +1,29 @@
-"""Keras' Adam and AdamW update in one fused torch kernel on the CPU: the same math, fewer passes.
+"""Keras' Adam and AdamW update on torch without its temporaries: the same operations, bit for bit.
 
 Keras' torch Adam (`keras.src.backend.torch.optimizers.torch_adam`) updates the weights with ten
-`torch._foreach_*` calls, four of which allocate a temporary as large as the model; on a CPU each
-call is one more pass over memory. torch ships the whole update as one kernel
-(`torch._fused_adam_`, what `torch.optim.Adam(fused=True)` runs). On the 64→3×512→10 MLP of the
-benchmark (2.2 MiB of weights, 1 thread) one `optimizer.apply` takes 8.2 ms in Keras' form and
-1.9 ms fused.
+`torch._foreach_*` calls, five of which allocate a temporary as large as the model. On a CPU a
+fresh large allocation is fresh pages from the kernel (page faults on first touch), every step.
+`update` runs the same ten operations, in the same order, on the same operands, but writes the
+temporaries into two scratch buffers the optimizer keeps between steps: the rounding of every
+element is unchanged, so the weights are **bit-identical** to Keras' update (tested: Δ = 0
+after 220 training steps of the benchmark MLP, and on random gradients for Adam, AdamW and
+learning-rate schedules). On the 64→3×512→10 MLP of the benchmark (2.2 MiB of weights,
+1 thread) one update takes 5.4 ms in Keras' form and 1.9 ms here; the price is two scratch
+copies of the trainable weights in memory.
 
-The two forms are the same update, written differently. Keras, at step t:
-
-    m ← β1·m + (1−β1)·g        v ← β2·v + (1−β2)·g²
-    w ← w − lr·√(1−β2^t)/(1−β1^t) · m / (√v + ε)
-
-torch's kernel divides √v by √(1−β2^t) before adding its own ε; passing ε/√(1−β2^t) as that ε
-gives Keras' formula exactly. Only the rounding differs: 1.3e-7 after 20 steps of random
-gradients, far below the 1e-5 the equivalence tests allow. Weight decay (AdamW) stays in Keras'
-`apply`, before the update, as it always was.
+torch also ships the whole update as one kernel (`torch._fused_adam_`, what
+`torch.optim.Adam(fused=True)` runs): 0.5 ms on the same MLP, but it orders the arithmetic
+differently (`m.lerp_`, `ε/√(1−β2^t)` folded into ε). The difference is rounding only, about
+2e-7 per step, yet Adam amplifies it: on the benchmark MLP one process with it ends 6e-3 from
+plain Keras after 20 steps and 0.07 after 220 steps, where two workers with Keras' own rounding
+stay within 4.5e-8 of one process after 20 steps (and drift, chaotically, to the same 0.06 after
+220). It is therefore opt-in: `KERAS_MWMS_TORCH_FUSED_ADAM=1`.
 
 Used for models built in `strategy.scope()` on the torch backend (`torch_training`), when the
 optimizer is Keras' torch Adam or AdamW without `amsgrad`, every weight and gradient is a dense
 CPU tensor of one floating dtype and the step is not `torch.compile`d; anything else keeps Keras'
-own update. `KERAS_MWMS_TORCH_FUSED_ADAM=0` turns it off.
+own update. Weight decay (AdamW), gradient clipping and gradient accumulation stay in Keras'
+`apply`, around the update, as they always were.
 
 Example:
 
@@ -47,53 +50,124 @@ import torch
 
 FUSED_ADAM_ENV = "KERAS_MWMS_TORCH_FUSED_ADAM"
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_SCRATCH = "_keras_mwms_adam_scratch"
 
 
-def enabled() -> bool:
-    """False when `KERAS_MWMS_TORCH_FUSED_ADAM` is 0, false, no or off."""
-    value = os.environ.get(FUSED_ADAM_ENV, "1").strip().lower()
-    return value not in ("0", "false", "no", "off")
+def fused_kernel_enabled() -> bool:
+    """True when `KERAS_MWMS_TORCH_FUSED_ADAM` is 1, true, yes or on (torch's fused kernel)."""
+    value = os.environ.get(FUSED_ADAM_ENV, "0").strip().lower()
+    return value in ("1", "true", "yes", "on")
 
 
 def applies_to(optimizer_class) -> bool:
     """Whether `optimizer_class` is (a subclass of) Keras' torch Adam, AdamW included."""
-    if not hasattr(torch, "_fused_adam_"):
-        return False
     from keras.src.backend.torch.optimizers.torch_adam import Adam as TorchAdam
 
     return issubclass(optimizer_class, TorchAdam)
 
 
 def eligible(optimizer, grads, keras_variables) -> bool:
-    """Whether this step can run fused: no amsgrad; dense CPU tensors of one floating dtype."""
+    """Whether this step can run here: no amsgrad; dense CPU tensors of one floating dtype."""
     if getattr(optimizer, "amsgrad", False) or not keras_variables:
+        return False
+    if fused_kernel_enabled() and not hasattr(torch, "_fused_adam_"):
         return False
     dtype = keras_variables[0].value.dtype
     if dtype not in _FLOATS:
         return False
     for grad, variable in zip(grads, keras_variables):
         value = variable.value
-        if (grad is None or value.device.type != "cpu" or value.dtype != dtype
-                or grad.dtype != dtype or grad.is_sparse or value.is_sparse
-                or not value.is_contiguous()):
+        if (grad is None or value.device.type != "cpu" or grad.device.type != "cpu"
+                or value.dtype != dtype or grad.dtype != dtype or grad.is_sparse
+                or value.is_sparse or grad.shape != value.shape or not value.is_contiguous()):
             return False
     return True
 
 
-@torch._dynamo.disable
-@torch.no_grad()
 def update(optimizer, grads, keras_variables, learning_rate) -> None:
-    """One Adam step of `optimizer` on `keras_variables` in `torch._fused_adam_`.
+    """One Adam step of `optimizer` on `keras_variables`: Keras' arithmetic, or torch's fused kernel.
 
     Reads and writes the optimizer's own momentum and velocity variables, so saving,
     restoring and switching back to Keras' update all see the usual state. The caller
     (Keras' `apply`) increments `optimizer.iterations` afterwards, as for Keras' update.
     """
+    if fused_kernel_enabled():
+        _fused_kernel_update(optimizer, grads, keras_variables, learning_rate)
+    else:
+        _in_place_update(optimizer, grads, keras_variables, learning_rate)
+
+
+def _scratch(optimizer, variables: list[torch.Tensor]) -> tuple[list, list]:
+    """Two buffers shaped like `variables`, kept on the optimizer while the variables stay the same."""
+    key = tuple(id(variable) for variable in variables)
+    cached = getattr(optimizer, _SCRATCH, None)
+    if cached is None or cached[0] != key:
+        cached = (key, [torch.empty_like(variable) for variable in variables],
+                  [torch.empty_like(variable) for variable in variables])
+        # object.__setattr__: Keras' attribute tracking must not see plain torch tensors.
+        object.__setattr__(optimizer, _SCRATCH, cached)
+    return cached[1], cached[2]
+
+
+@torch._dynamo.disable
+@torch.no_grad()
+def _in_place_update(optimizer, grads, keras_variables, learning_rate) -> None:
+    """Keras 3.15.1's `torch_adam.Adam._parallel_update_step` (amsgrad off), temporaries reused.
+
+    Each line below is Keras' operation with its result written into a scratch buffer instead
+    of a new tensor: `torch.mul(a, b, out=s)` rounds exactly as `a * b`.
+    """
+    from keras import ops
+
+    variables = [variable.value for variable in keras_variables]
+    dtype = variables[0].dtype
+    lr = ops.cast(learning_rate, dtype)
+    local_step = ops.cast(optimizer.iterations + 1, dtype)
+    beta_1_power = ops.power(ops.cast(optimizer.beta_1, dtype), local_step)
+    beta_2_power = ops.power(ops.cast(optimizer.beta_2, dtype), local_step)
+    alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+
+    index = optimizer._get_variable_index
+    momentums = [optimizer._momentums[index(variable)].value for variable in keras_variables]
+    velocities = [optimizer._velocities[index(variable)].value for variable in keras_variables]
+    first, second = _scratch(optimizer, variables)
+
+    torch._foreach_mul_(momentums, optimizer.beta_1)
+    torch._foreach_add_(momentums, grads, alpha=1 - optimizer.beta_1)
+    torch._foreach_mul_(velocities, optimizer.beta_2)
+    for grad, squared in zip(grads, first):
+        torch.mul(grad, grad, out=squared)
+    torch._foreach_add_(velocities, first, alpha=1 - optimizer.beta_2)
+    for momentum, step in zip(momentums, first):
+        torch.mul(momentum, alpha, out=step)
+    for velocity, denominator in zip(velocities, second):
+        torch.sqrt(velocity, out=denominator)
+    torch._foreach_add_(second, optimizer.epsilon)
+    torch._foreach_div_(first, second)
+    torch._foreach_add_(variables, first, alpha=-1)
+
+
+@torch._dynamo.disable
+@torch.no_grad()
+def _fused_kernel_update(optimizer, grads, keras_variables, learning_rate) -> None:
+    """Keras' Adam formula in `torch._fused_adam_` (opt-in: rounds differently, see above).
+
+    Keras, at step t:
+
+        m ← β1·m + (1−β1)·g        v ← β2·v + (1−β2)·g²
+        w ← w − lr·√(1−β2^t)/(1−β1^t) · m / (√v + ε)
+
+    torch's kernel divides √v by √(1−β2^t) before adding its own ε; passing ε/√(1−β2^t) as that
+    ε gives Keras' formula up to rounding.
+    """
+    from keras import ops
+
     index = optimizer._get_variable_index
     params = [variable.value for variable in keras_variables]
     momentums = [optimizer._momentums[index(variable)].value for variable in keras_variables]
     velocities = [optimizer._velocities[index(variable)].value for variable in keras_variables]
-    step = float(optimizer.iterations.value) + 1.0
+    # `iterations` is a Variable, or a tensor (iterations // steps) with gradient accumulation.
+    step = float(ops.convert_to_numpy(optimizer.iterations)) + 1.0
     beta_1, beta_2 = float(optimizer.beta_1), float(optimizer.beta_2)
     bias_correction_2 = 1.0 - beta_2 ** step
     step_tensor = torch.tensor(step, dtype=torch.float32)
