@@ -597,7 +597,6 @@ def _batch_without_iterating(adapter):
     """
     from keras.src.trainers.data_adapters.generator_data_adapter import GeneratorDataAdapter
     from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
-
     from keras.src.trainers.data_adapters.tf_dataset_adapter import TFDatasetAdapter
 
     if isinstance(adapter, GeneratorDataAdapter):
