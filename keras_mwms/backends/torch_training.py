@@ -31,6 +31,14 @@ What a tagged model gets (DESIGN.md §3):
   statistics ride in the last gradient bucket (`_StepExtras`): such a step issues the gradient
   all-reduce only. Otherwise (torch.compile'd or custom steps, min/max metric states) it costs
   small extra all-reduces.
+* A custom `train_step`/`test_step` (Keras' "customizing what happens in fit()" guide) returns
+  logs computed from its shard: they are made global at every step (`_global_logs`), so
+  History, EarlyStopping and checkpoints agree on every worker. Metrics updated from `(y,
+  y_pred)` equal one process; a metric the step updates once with a scalar (the guide's
+  `metric.update_state(loss)`) averages the workers' values of each step, which equals one
+  process when every worker holds rows of the step (a worker with an empty shard of a short
+  last batch adds nothing, so that step weighs less). Its gradients, of its shard's mean loss,
+  are weighted by rows: the global-batch gradient also on uneven splits.
 * `BatchNormalization(synchronized=True)` computes global batch statistics.
 """
 
@@ -136,7 +144,7 @@ def _patch_trainer() -> None:
             _broadcast_state(self, backend)
         result = original_make_test(self, force)
         if backend is not None and not getattr(self.test_function, "_keras_mwms", False):
-            self.test_function = _distributed_test_function(self, self.test_function)
+            self.test_function = _distributed_test_function(self, backend, self.test_function)
         return result
 
     @functools.wraps(original_make_predict)
@@ -153,6 +161,8 @@ def _patch_trainer() -> None:
             return original_metrics_result(self, logs)
         summed = getattr(self, "_keras_mwms_step_metric_sums", None)
         object.__setattr__(self, "_keras_mwms_step_metric_sums", None)
+        if logs is not None and logs is getattr(self, "_keras_mwms_global_logs", None):
+            return logs    # a custom step's logs, made global when the step ended
         with global_metric_state(self, backend, summed):
             return original_metrics_result(self, logs)
 
@@ -341,6 +351,7 @@ def _distributed_train_function(model, backend: TorchBackend, train_function):
                 _train_step_metrics_first(model, batch if rows else _dummy_row(batch), rows)
             elif rows:
                 logs = train_function(data)
+                local_results = _local_metric_results(model)
             else:
                 # An empty shard (a short last global batch): run the step on a dummy row
                 # weighted 0 so this worker issues the same collectives as the others, then
@@ -348,6 +359,7 @@ def _distributed_train_function(model, backend: TorchBackend, train_function):
                 snapshot = _metric_snapshot(model)
                 try:
                     logs = train_function([_dummy_row(batch)])
+                    local_results = _local_metric_results(model)
                 finally:
                     _metric_restore(model, snapshot)
         finally:
@@ -364,20 +376,127 @@ def _distributed_train_function(model, backend: TorchBackend, train_function):
                                    getattr(model, "_keras_mwms_metric_rides", 0) + 1)
             with global_metric_state(model, backend, summed):
                 return model.get_metrics_result()
-        return model._get_metrics_result_or_logs(logs)
+        return _global_logs(model, backend, logs, rows, local_results)
 
     distributed_train_function._keras_mwms = True
     return distributed_train_function
 
 
-def _distributed_test_function(model, test_function):
+def _distributed_test_function(model, backend: TorchBackend, test_function):
+    from keras.src.backend.torch.trainer import TorchTrainer
+
+    keras_test_step = type(model).test_step is TorchTrainer.test_step
+
     def distributed_test_function(data):
-        if _first_dimension(data[0]):
-            return test_function(data)
-        return model.get_metrics_result()
+        rows = _first_dimension(data[0])
+        if keras_test_step:
+            # Keras' logs are its metric results: made global once, when evaluate ends.
+            return test_function(data) if rows else model.get_metrics_result()
+        # A custom test_step's logs are made global at every step, like a custom train_step's.
+        if rows:
+            logs = test_function(data)
+            local_results = _local_metric_results(model)
+        else:
+            snapshot = _metric_snapshot(model)
+            try:
+                logs = test_function([_dummy_row(data[0])])
+                local_results = _local_metric_results(model)
+            finally:
+                _metric_restore(model, snapshot)
+        return _global_logs(model, backend, logs, rows, local_results)
 
     distributed_test_function._keras_mwms = True
     return distributed_test_function
+
+
+def _local_metric_results(model) -> dict:
+    """`{metric.name: metric.result()}` of this worker's metric states, detached copies."""
+    from keras.src import tree
+
+    with torch.no_grad():
+        return {metric.name: tree.map_structure(_detached, metric.result())
+                for metric in model.metrics}
+
+
+def _detached(value):
+    return value.detach().clone() if torch.is_tensor(value) else value
+
+
+def _numeric_leaves(value) -> list[torch.Tensor] | None:
+    """The leaves of a log value as flat float64 tensors, or None if one is not a number."""
+    from keras.src import tree
+
+    leaves = []
+    for leaf in tree.flatten(value):
+        if leaf is None or isinstance(leaf, (str, bytes)):
+            return None
+        try:
+            tensor = leaf.detach() if torch.is_tensor(leaf) else torch.as_tensor(leaf)
+            leaves.append(tensor.to(torch.float64).reshape(-1))
+        except (TypeError, ValueError, RuntimeError):
+            return None
+    return leaves
+
+
+def _same_values(value, reference) -> bool:
+    mine, theirs = _numeric_leaves(value), _numeric_leaves(reference)
+    return (mine is not None and theirs is not None and len(mine) == len(theirs)
+            and all(a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
+                    for a, b in zip(mine, theirs)))
+
+
+def _like(value: torch.Tensor, leaf) -> torch.Tensor:
+    """`value` in the shape, floating dtype and device of the log leaf it replaces."""
+    template = leaf if torch.is_tensor(leaf) else torch.as_tensor(leaf)
+    dtype = template.dtype if template.is_floating_point() else torch.get_default_dtype()
+    return value.reshape(template.shape).to(device=template.device, dtype=dtype)
+
+
+def _global_logs(model, backend: TorchBackend, logs, rows: int, local_results: dict):
+    """A training or test step's logs, identical on every worker and as one process logs them.
+
+    Logs of Keras' own steps are the metric results: reduced as metric states (sum, min/max).
+    A custom step (Keras' "customizing what happens in fit()" guides) returns what it likes,
+    computed from this worker's shard: a value equal to a metric's local result under that
+    metric's name (`{m.name: m.result() for m in self.metrics}`) becomes the metric's global
+    result; any other number (the step's own loss, say) the mean over workers weighted by their
+    rows, as one process would compute it on the global batch. Which is which is agreed in one
+    small all-reduce, so every worker issues the same collectives whatever its values.
+    """
+    flat_keys = set()
+    for name, result in local_results.items():
+        flat_keys.update(result if isinstance(result, dict) else (name,))
+    if not isinstance(logs, dict) or set(logs) == flat_keys:
+        return model._get_metrics_result_or_logs(logs)
+    numeric = {key: leaves for key, value in logs.items()
+               if (leaves := _numeric_leaves(value)) is not None}
+    flags = [float(key in local_results and _same_values(logs[key], local_results[key]))
+             for key in numeric]
+    payload = [torch.tensor(flags + [float(rows)], dtype=torch.float64)]
+    payload += [leaf * float(rows) for leaves in numeric.values() for leaf in leaves]
+    reduced = backend.all_reduce_flat([tensor.to(backend.device) for tensor in payload],
+                                      what="custom step log all-reduce")
+    agreed, total_rows = reduced[0][:-1], float(reduced[0][-1])
+    from_metrics = [key for key, count in zip(numeric, agreed.tolist())
+                    if count == backend.num_workers]
+    global_results = {}
+    if from_metrics:
+        with global_metric_state(model, backend):
+            global_results = _local_metric_results(model)
+    result, position = dict(logs), 1
+    from keras.src import tree
+
+    for key, leaves in numeric.items():
+        sums = reduced[position:position + len(leaves)]
+        position += len(leaves)
+        if key in from_metrics:
+            result[key] = global_results[key]
+        elif total_rows > 0:
+            means = [_like(total / total_rows, leaf)
+                     for total, leaf in zip(sums, tree.flatten(logs[key]))]
+            result[key] = tree.pack_sequence_as(logs[key], means)
+    object.__setattr__(model, "_keras_mwms_global_logs", result)
+    return result
 
 
 # -- optimizer ----------------------------------------------------------------------------
@@ -443,9 +562,10 @@ def _average_gradients(backend: TorchBackend, model, grads: list, variables=None
     """Global-batch gradients: Σ_w (rows_w · grad_w) / Σ_w rows_w, in bucketed all-reduces.
 
     The loss was already multiplied by this worker's rows (`scale_loss`); a custom
-    `train_step` that skips `scale_loss` gets the plain mean over workers instead.
-    Unsynchronized BatchNormalization moving statistics ride along, weighted by rows, so they
-    never drift. When the step's gradients were already being reduced during backward
+    `train_step` that skips `scale_loss` (Keras' guides do) computed the mean loss of its
+    shard, so its gradients are multiplied by the rows here: the same global-batch gradient,
+    also when workers hold different numbers of rows. Unsynchronized BatchNormalization moving
+    statistics ride along, weighted by rows, so they never drift. When the step's gradients were already being reduced during backward
     (`torch_overlap`), only the statistics and the row counts are left to reduce here.
     """
     has_rows = backend.step_rows > 0
@@ -464,11 +584,17 @@ def _average_gradients(backend: TorchBackend, model, grads: list, variables=None
                 return [None if grad is None else total.div_(total_weight)
                         for grad, total in zip(grads, summed)]
             return _average_overlapped(backend, grads, summed, statistics, weight, rows)
+    # A custom step's gradients are those of its shard's mean loss: weight them by the rows.
+    row_scale = 1.0 if backend.loss_weighted_by_rows else rows
+    weight = rows
     backend.loss_weighted_by_rows = False
     present = [i for i, grad in enumerate(grads) if grad is not None]
     payload = []
     for i in present:
-        payload.append(grads[i] if has_rows else torch.zeros_like(grads[i]))
+        if not has_rows:
+            payload.append(torch.zeros_like(grads[i]))
+        else:
+            payload.append(grads[i] if row_scale == 1.0 else grads[i] * row_scale)
     for variable in statistics:
         value = variable.value.data
         payload.append(value * rows if has_rows else torch.zeros_like(value))
