@@ -243,6 +243,11 @@ def shard_global_batches(data: Any, backend: TorchBackend, options: Any = None,
     )
 
 
+def bind_arguments(method, args: tuple, kwargs: dict) -> dict:
+    """`method(self, *args, **kwargs)`'s arguments by name, defaults filled in (without self)."""
+    return _bind(_original(method), args, kwargs)
+
+
 def _bind(method, args, kwargs) -> dict:
     signature = inspect.signature(method)
     bound = signature.bind_partial(None, *args, **kwargs)

@@ -89,6 +89,7 @@ def _patch_trainer() -> None:
     original_init = TorchTrainer.__init__
     original_fit = TorchTrainer.fit
     original_evaluate = TorchTrainer.evaluate
+    original_predict = TorchTrainer.predict
     original_make_train = TorchTrainer.make_train_function
     original_make_test = TorchTrainer.make_test_function
     original_make_predict = TorchTrainer.make_predict_function
@@ -113,7 +114,8 @@ def _patch_trainer() -> None:
         if facade is not None:
             facade.check_tf_config_unchanged()
 
-        return original_fit(self, **torch_data.shard_fit_inputs(backend, args, kwargs))
+        return original_fit(self, **_quiet_unless_chief(
+            backend, torch_data.shard_fit_inputs(backend, args, kwargs)))
 
     @functools.wraps(original_evaluate)
     def evaluate(self, *args, **kwargs):
@@ -122,7 +124,18 @@ def _patch_trainer() -> None:
             return original_evaluate(self, *args, **kwargs)
         from keras_mwms.backends import torch_data
 
-        return original_evaluate(self, **torch_data.shard_evaluate_inputs(backend, args, kwargs))
+        return original_evaluate(self, **_quiet_unless_chief(
+            backend, torch_data.shard_evaluate_inputs(backend, args, kwargs)))
+
+    @functools.wraps(original_predict)
+    def predict(self, *args, **kwargs):
+        backend = backend_of(self)
+        if backend is None or backend.is_chief:
+            return original_predict(self, *args, **kwargs)
+        from keras_mwms.backends import torch_data
+
+        return original_predict(self, **_quiet_unless_chief(
+            backend, torch_data.bind_arguments(original_predict, args, kwargs)))
 
     @functools.wraps(original_make_train)
     def make_train_function(self, force=False):
@@ -169,10 +182,18 @@ def _patch_trainer() -> None:
     TorchTrainer.__init__ = __init__
     TorchTrainer.fit = fit
     TorchTrainer.evaluate = evaluate
+    TorchTrainer.predict = predict
     TorchTrainer.make_train_function = make_train_function
     TorchTrainer.make_test_function = make_test_function
     TorchTrainer.make_predict_function = make_predict_function
     TorchTrainer._get_metrics_result_or_logs = _get_metrics_result_or_logs
+
+
+def _quiet_unless_chief(backend: TorchBackend, arguments: dict) -> dict:
+    """Progress bars and epoch lines on the chief only (every worker's logs are the same)."""
+    if not backend.is_chief:
+        arguments["verbose"] = 0
+    return arguments
 
 
 def _broadcast_state(model, backend: TorchBackend) -> None:
