@@ -8,7 +8,7 @@ workers run the same number of steps and pair their collectives, whatever the da
 |---|---|
 | numpy arrays / torch tensors | a `PyDataset` of row indices; the epoch's permutation is drawn from a seed broadcast by the chief, so `shuffle=True` shuffles identically everywhere |
 | `tf.data.Dataset` | `dataset.map` keeps the worker's slice (AutoShardPolicy DATA; OFF: untouched) |
-| `keras.utils.PyDataset` | a wrapping `PyDataset` slicing every item |
+| `keras.utils.PyDataset` | a wrapping `PyDataset` slicing every item; `shuffle=True` shuffles the batch order as Keras does, from the chief's Python `random` state |
 | `torch.utils.data.DataLoader` | a wrapping loader slicing every batch; a shuffling sampler gets a generator seeded from the chief |
 | other iterables / generators | a generator slicing every batch |
 
@@ -70,10 +70,22 @@ def _num_rows(structure) -> int:
     raise ValueError("keras_mwms: the input arrays are empty; give at least one row.")
 
 
-def shared_seed(backend: TorchBackend) -> int:
-    """A seed drawn by the chief (from NumPy's global RNG) and known to every worker."""
-    seed = int(np.random.randint(0, 2**31 - 1)) if backend.is_chief else None
-    return int(backend.broadcast_object(seed))
+def shared_seed(backend: TorchBackend, python_random: bool = False) -> int:
+    """A seed drawn by the chief (from NumPy's global RNG) and known to every worker.
+
+    With `python_random`, every worker also takes the chief's Python `random` state (in the
+    same broadcast): Keras shuffles a PyDataset's batch order with `random.shuffle`, so workers
+    then draw the chief's order, which is the order one process of plain Keras seeded alike
+    draws.
+    """
+    import random
+
+    mine = (int(np.random.randint(0, 2**31 - 1)), random.getstate() if python_random else None) \
+        if backend.is_chief else None
+    seed, python_state = backend.broadcast_object(mine)
+    if python_state is not None and not backend.is_chief:
+        random.setstate(python_state)
+    return int(seed)
 
 
 def _make_sharded_arrays(backend, arrays, global_batch_size, shuffle, seed):
@@ -277,7 +289,9 @@ def shard_fit_inputs(backend: TorchBackend, args: tuple, kwargs: dict) -> dict:
     x, y, sample_weight = values["x"], values["y"], values["sample_weight"]
     if isinstance(x, Sharded):
         return values
-    seed = shared_seed(backend)
+    # Keras shuffles a PyDataset's batches itself, with Python's `random`: keep its shuffle.
+    shuffles_batches = bool(values["shuffle"]) and isinstance(x, _keras_pydataset())
+    seed = shared_seed(backend, python_random=shuffles_batches)
     check_same_rows(backend, x, "model.fit()")
     if _is_arrays(x, y, sample_weight):
         x, y, sample_weight = _to_numpy((x, y, sample_weight))
@@ -303,7 +317,7 @@ def shard_fit_inputs(backend: TorchBackend, args: tuple, kwargs: dict) -> dict:
             backend, val_x, val_y, val_sample_weight,
             values["validation_batch_size"] or values["batch_size"], False, seed)
     values.update(y=None, sample_weight=None, class_weight=None, batch_size=None,
-                  validation_split=0.0, validation_batch_size=None, shuffle=False)
+                  validation_split=0.0, validation_batch_size=None, shuffle=shuffles_batches)
     return values
 
 
