@@ -155,6 +155,8 @@ class TorchBackend(Backend):
         self._joined = False
         self._scope_depth = 0
         self._scope_lock = threading.Lock()
+        self._created_in_scope: dict[int, Any] = {}
+        self._scope_exits = 0
         self._failure_count = 0
         # Rows of this worker's shard in the current training step (set by the train function)
         # and whether the loss was scaled by them (set by the optimizer's scale_loss).
@@ -262,9 +264,77 @@ class TorchBackend(Backend):
         finally:
             with self._scope_lock:
                 self._scope_depth -= 1
+                created = list(self._created_in_scope.values()) if self._scope_depth == 0 else []
+                if self._scope_depth == 0:
+                    self._created_in_scope.clear()
+        # Reached only when the block did not raise: a worker whose block failed joins nothing.
+        self._agree_on_variables(created)
 
     def scope(self) -> contextlib.AbstractContextManager:
+        """Variables created inside take the chief's values when the outermost scope is left.
+
+        Creating a variable enters no collective, so one worker may build or load a model alone
+        (`keras.models.load_model`, `model.save` on the chief). The variables created inside
+        the block are broadcast from the chief in one collective at its exit, which every worker
+        reaches, so `model.get_weights()` agrees everywhere right after the block even when the
+        workers seeded differently. Every worker must therefore run the same
+        `with strategy.scope():` blocks, as with TensorFlow's MultiWorkerMirroredStrategy; a
+        block that differs is a clear error on every worker, not a hang.
+        """
         return self._scope()
+
+    def note_new_variable(self, variable) -> None:
+        """Called for every new Keras variable; those created in `scope()` are agreed at its exit."""
+        if self._scope_depth and self.distributed:
+            self._created_in_scope[id(variable)] = variable
+
+    def _agree_on_variables(self, variables: list) -> None:
+        """The chief's values for `variables` on every worker, checked first through the store.
+
+        Each worker posts the shapes and dtypes it created and reads everyone's, so all workers
+        decide alike: the same list everywhere is one broadcast per dtype; a different list, or
+        a worker that never leaves a scope (a block run on one worker alone), is a `ValueError`
+        naming the workers and the fix, raised without entering any collective.
+        """
+        import json
+
+        variables = [variable for variable in variables
+                     if getattr(variable, "_value", None) is not None
+                     and variable._value.device.type != "meta"]
+        if not variables or not self.distributed:
+            return
+        self._scope_exits += 1
+        prefix = f"keras_mwms/scope-variables/{self._scope_exits}/"
+        keys = [f"{prefix}{rank}" for rank in range(self.num_workers)]
+        signature = [[list(variable.shape), str(variable.dtype)] for variable in variables]
+        store = dist.distributed_c10d._get_default_store()
+        store.set(keys[self.worker_index], json.dumps(signature))
+        try:
+            store.wait(keys, datetime.timedelta(seconds=self.timeout_seconds))
+        except Exception as error:
+            absent = [rank for rank, key in enumerate(keys) if not _has_key(store, key)]
+            raise ValueError(
+                f"keras_mwms worker {self.worker_index}: "
+                f"{', '.join(self._describe(rank) for rank in absent) or 'a worker'} did not leave "
+                f"`strategy.scope()` block #{self._scope_exits} within {self.timeout_seconds:.0f} s "
+                f"({error}). Every worker must run the same `with strategy.scope():` blocks, "
+                "creating the same models and optimizers in the same order; build or load what "
+                "one worker needs alone (under `if strategy.is_chief:`) outside the scope."
+            ) from error
+        signatures = [json.loads(store.get(key)) for key in keys]
+        differing = [rank for rank in range(1, self.num_workers) if signatures[rank] != signatures[0]]
+        if differing:
+            raise ValueError(
+                f"keras_mwms worker {self.worker_index}: the variables created in "
+                f"`strategy.scope()` block #{self._scope_exits} differ between workers: "
+                f"{len(signatures[0])} on the chief, "
+                + ", ".join(f"{len(signatures[rank])} on worker {rank}" for rank in differing)
+                + f" (first shapes and dtypes on the chief {signatures[0][:3]}, on worker "
+                f"{differing[0]} {signatures[differing[0]][:3]}). Every worker must run the same "
+                "`with strategy.scope():` blocks, creating the same models and optimizers in the "
+                "same order; build what one worker needs alone outside the scope.")
+        self.broadcast_tensors([variable.value.data for variable in variables],
+                               what="broadcast of the chief's values at the end of strategy.scope()")
 
     @property
     def in_scope(self) -> bool:
@@ -446,6 +516,13 @@ class TorchBackend(Backend):
     def distribute_datasets_from_function(self, dataset_fn: Callable, options: Any = None) -> Any:
         context = InputContext(self.num_workers, self.worker_index, self.num_replicas_in_sync)
         return dataset_fn(context)
+
+
+def _has_key(store, key: str) -> bool:
+    try:
+        return bool(store.check([key]))
+    except Exception:
+        return False
 
 
 def _looks_like_collective_failure(error: BaseException) -> bool:

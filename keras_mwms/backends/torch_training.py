@@ -8,9 +8,13 @@ Models created outside the scope are untouched (every patch checks the model's t
 What a tagged model gets (DESIGN.md §3):
 
 * `fit` / `evaluate` inputs are sharded per worker from the *global* batches
-  (`torch_data.shard_fit_inputs`); `predict` runs in full on every worker (full, ordered).
-* At the start of every `fit` (and before a first `evaluate`/`predict`) all model and optimizer
-  variables are broadcast from the chief, so workers seeded differently start identical.
+  (`torch_data.shard_fit_inputs`); `predict` runs on the calling worker alone over all the rows
+  it is given, entering no collective (a chief-only `predict` cannot hang).
+* Variables created in `strategy.scope()` take the chief's values when the outermost scope is
+  left (`TorchBackend.scope`), so `get_weights()` agrees right after building. At the start of
+  every `fit` (and before a first `evaluate`) all model and optimizer variables are broadcast
+  from the chief again, which also covers variables built lazily outside the scope and values
+  set on one worker alone (`load_weights` on the chief).
 * Each training step scales the loss by the worker's row count and, in `optimizer.apply`,
   all-reduces the gradients, the row count and unsynchronized BatchNormalization moving
   statistics in one bucketed flat all-reduce, then divides by the global row count: the exact
@@ -71,6 +75,28 @@ def install(backend: TorchBackend) -> None:
     _patch_trainer()
     require_tested_keras("torch-synchronized-batchnorm")
     _patch_batch_normalization()
+    require_tested_keras("torch-scope-variables")
+    _patch_variable_creation()
+
+
+def _patch_variable_creation() -> None:
+    """Patch `torch-scope-variables`: note each new variable, so `scope()` agrees on it at exit.
+
+    The value stays this worker's until then: creating a variable enters no collective, so a
+    model built or loaded on one worker alone cannot hang (see `TorchBackend.scope`).
+    """
+    from keras.src.backend.torch.core import Variable
+
+    original_initialize = Variable._initialize
+
+    @functools.wraps(original_initialize)
+    def _initialize(self, value):
+        original_initialize(self, value)
+        backend = active_backend()
+        if backend is not None:
+            backend.note_new_variable(self)
+
+    Variable._initialize = _initialize
 
 
 def active_backend() -> TorchBackend | None:
@@ -92,7 +118,6 @@ def _patch_trainer() -> None:
     original_predict = TorchTrainer.predict
     original_make_train = TorchTrainer.make_train_function
     original_make_test = TorchTrainer.make_test_function
-    original_make_predict = TorchTrainer.make_predict_function
     original_metrics_result = TorchTrainer._get_metrics_result_or_logs
 
     @functools.wraps(original_init)
@@ -160,13 +185,6 @@ def _patch_trainer() -> None:
             self.test_function = _distributed_test_function(self, backend, self.test_function)
         return result
 
-    @functools.wraps(original_make_predict)
-    def make_predict_function(self, force=False):
-        backend = backend_of(self)
-        if backend is not None and not getattr(self, "_keras_mwms_synced", False):
-            _broadcast_state(self, backend)
-        return original_make_predict(self, force)
-
     @functools.wraps(original_metrics_result)
     def _get_metrics_result_or_logs(self, logs):
         backend = backend_of(self)
@@ -185,7 +203,6 @@ def _patch_trainer() -> None:
     TorchTrainer.predict = predict
     TorchTrainer.make_train_function = make_train_function
     TorchTrainer.make_test_function = make_test_function
-    TorchTrainer.make_predict_function = make_predict_function
     TorchTrainer._get_metrics_result_or_logs = _get_metrics_result_or_logs
 
 
