@@ -6,7 +6,8 @@ Embedding + LSTM, clipnorm / clipvalue / global_clipnorm, weight decay, EMA, gra
 accumulation, loss scaling, the custom `train_step` of each backend's Keras guide, generators,
 shuffled PyDatasets, evaluate/predict on sizes that do not divide the batch, ...) in one gang
 of 2 workers per backend, and once more with `--plain` in one process of plain Keras (no
-keras_mwms imported). Every assertion reads the dumps of those two runs.
+keras_mwms imported), and once as one keras_mwms worker without TF_CONFIG (which must behave
+like plain Keras). Every assertion reads the dumps of those three runs.
 
 Tolerance: every variant trains at most 24 steps, where the reduction-order noise of a 2-worker
 all-reduce stays below 1e-6 even under Adam (DESIGN.md §3 measured 4e-8 after 20 steps);
@@ -48,10 +49,11 @@ VARIANTS = _variants()
 
 
 class Runs:
-    """One backend's gang (2 workers) and plain-Keras reference dumps."""
+    """One backend's gang (2 workers), single-worker and plain-Keras reference dumps."""
 
-    def __init__(self, backend: str, gang_dir: str, reference_dir: str, output: str):
+    def __init__(self, backend: str, gang_dir: str, reference_dir: str, single_dir: str, output: str):
         self.backend, self.gang_dir, self.reference_dir, self.output = backend, gang_dir, reference_dir, output
+        self.single_dir = single_dir
 
     def result(self, variant: str, worker: int) -> dict:
         return common.load_result(os.path.join(self.gang_dir, variant), worker)
@@ -65,20 +67,28 @@ class Runs:
     def reference_weights(self, variant: str) -> list:
         return common.load_weights(os.path.join(self.reference_dir, variant), 0)
 
+    def single(self, variant: str) -> dict:
+        return common.load_result(os.path.join(self.single_dir, variant), 0)
+
+    def single_weights(self, variant: str) -> list:
+        return common.load_weights(os.path.join(self.single_dir, variant), 0)
+
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def runs(request, tmp_path_factory) -> Runs:
     backend = request.param
     gang_dir = str(tmp_path_factory.mktemp(f"{backend}_gang"))
     reference_dir = str(tmp_path_factory.mktemp(f"{backend}_plain"))
+    single_dir = str(tmp_path_factory.mktemp(f"{backend}_single"))
     env = dict(os.environ, **worker_env(backend))
     env.pop("TF_CONFIG", None)
-    plain = subprocess.run(python_worker("user_scripts.py", reference_dir, "--plain"), env=env,
-                           capture_output=True, text=True, timeout=GANG_TIMEOUT)
-    assert plain.returncode == 0, plain.stdout[-4000:] + plain.stderr[-4000:]
+    for out, flags in ((reference_dir, ["--plain"]), (single_dir, [])):
+        alone = subprocess.run(python_worker("user_scripts.py", out, *flags), env=env,
+                               capture_output=True, text=True, timeout=GANG_TIMEOUT)
+        assert alone.returncode == 0, alone.stdout[-4000:] + alone.stderr[-4000:]
     gang = run_gang(python_worker("user_scripts.py", gang_dir), 2, GANG_TIMEOUT, env=worker_env(backend))
     assert gang.returncode == 0, gang.output[-8000:]
-    return Runs(backend, gang_dir, reference_dir, gang.output)
+    return Runs(backend, gang_dir, reference_dir, single_dir, gang.output)
 
 
 def _no_error(result: dict, who: str) -> None:
@@ -108,6 +118,16 @@ def test_variant_matches_one_process_of_plain_keras(runs, variant):
         assert got is not None and len(got) == len(values), f"{variant}: {key} {got} vs {values}"
         np.testing.assert_allclose(got, values, rtol=HISTORY_TOLERANCE, atol=HISTORY_TOLERANCE,
                                    err_msg=f"{runs.backend} {variant}: history[{key!r}]")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_one_worker_without_tf_config_is_plain_keras(runs, variant):
+    """The same script on one keras_mwms worker (no TF_CONFIG) trains like plain Keras."""
+    _no_error(runs.single(variant), f"one worker ({runs.backend}) {variant}")
+    delta = common.max_weight_difference(runs.single_weights(variant), runs.reference_weights(variant))
+    print(f"{runs.backend} {variant}: one keras_mwms worker vs plain Keras: max|Δw| = {delta:.3g}")
+    assert delta <= WEIGHT_TOLERANCE, f"{runs.backend} {variant}: max|Δw| = {delta:.3g} vs plain Keras"
 
 
 @pytest.mark.slow
