@@ -20,9 +20,11 @@ Start-up (after keras_mwms' rendezvous, before any JAX computation):
      global batch, exactly as one process.
 
 What Keras 3.15.1 lacks on these paths is patched in `keras_mwms.backends.jax_patches`:
-initial values broadcast from the chief (workers may seed differently), numpy / tf.data /
-PyDataset input cut by keras_mwms into global batches (`jax_data`), `predict` returning the
-full ordered output, the chief-only progress bar, uneven array inputs as a clear error on every
+the chief's variable values on every worker (workers may seed differently) — broadcast when
+`strategy.scope()` is left and at each `fit`/`evaluate` entry, never when a variable is
+created, so a worker may save, load or build a model alone —, numpy / tf.data / generator /
+PyDataset input cut by keras_mwms into global batches (`jax_data`), a local `predict`
+returning the full ordered output with no collective, the chief-only progress bar, uneven array inputs as a clear error on every
 worker, and a clear `WorkerLostError` naming the lost worker when a peer dies, followed by a
 bounded exit instead of JAX's shutdown hang. A worker whose `fit`/`evaluate`/`predict` raised
 (e.g. in a callback) exits without JAX's shutdown barrier (exit code 1), so its peers name it
@@ -156,6 +158,9 @@ class JaxBackend(Backend):
         self._path = "single"
         self._collectives = None
         self.failed: str | None = None   # set by jax_patches when fit/evaluate/predict raised
+        self._scope_depth = 0
+        self._scope_exits = 0
+        self._created_in_scope: dict[int, Any] = {}
         self.lost_error_type = WorkerLostError
 
     # -- identity -------------------------------------------------------------------------
@@ -332,9 +337,77 @@ class JaxBackend(Backend):
         return self._collectives
 
     def scope(self) -> contextlib.AbstractContextManager:
-        if self._distribution is None or self._path != "dataparallel":
-            return contextlib.nullcontext()
-        return self._distribution.scope()
+        """Variables created inside take the chief's values when the outermost scope is left.
+
+        Creating a variable enters no collective (a worker may build a model or load one alone,
+        e.g. `keras.models.load_model` on the chief); the variables created inside the block are
+        broadcast from the chief in one collective at its exit, which every worker reaches, so
+        `model.get_weights()` agrees everywhere right after the block even when the workers
+        seeded differently. Every worker must therefore run the same `with strategy.scope():`
+        blocks, as with TensorFlow's MultiWorkerMirroredStrategy.
+        """
+        return self._scope()
+
+    @contextlib.contextmanager
+    def _scope(self):
+        inner = (self._distribution.scope() if self._distribution is not None and self._path == "dataparallel"
+                 else contextlib.nullcontext())
+        self._scope_depth += 1
+        try:
+            with inner:
+                yield
+        finally:
+            self._scope_depth -= 1
+            created = list(self._created_in_scope.values()) if self._scope_depth == 0 else []
+            if self._scope_depth == 0:
+                self._created_in_scope.clear()
+        self._agree_on_variables(created)
+
+    def note_new_variable(self, variable) -> None:
+        """Called for every new Keras variable; those created in `scope()` are agreed at its exit."""
+        if self._scope_depth and self.num_workers > 1:
+            self._created_in_scope[id(variable)] = variable
+
+    def _agree_on_variables(self, variables: list) -> None:
+        """The chief's values for `variables` on every worker: its list of shapes and dtypes
+        through the coordination service, then the values in one collective sized by that list
+        (so a worker that created other variables still joins the same collective, then fails
+        with a clear error instead of leaving the chief waiting)."""
+        from keras_mwms.backends import jax_flat
+
+        variables = [variable for variable in variables if getattr(variable, "_value", None) is not None]
+        if not variables:
+            return
+        import jax.numpy as jnp
+
+        signature = [(tuple(variable.shape), str(variable.dtype)) for variable in variables]
+        self._scope_exits += 1
+        key = f"keras_mwms/scope-variables/{self._scope_exits}"
+        timeout_ms = int(self.collective_timeout_seconds * 1000)
+        try:
+            if self.is_chief:
+                self._client.key_value_set(key, json.dumps(signature))
+                chief_signature = signature
+            else:
+                chief_signature = [(tuple(shape), dtype) for shape, dtype in
+                                   json.loads(self._client.blocking_key_value_get(key, timeout_ms))]
+        except Exception as error:  # noqa: BLE001 - jaxlib raises its own runtime error types
+            self.raise_if_worker_lost(error, "leaving strategy.scope()")
+            raise
+        if chief_signature == signature:
+            sent = [np.asarray(variable.value) for variable in variables]
+        else:
+            sent = [np.zeros(shape, jnp.dtype(dtype)) for shape, dtype in chief_signature]
+        values = self.broadcast_arrays(sent)
+        if chief_signature != signature:
+            raise ValueError(
+                f"keras_mwms worker {self.worker_index}: the variables created in this "
+                f"`strategy.scope()` block differ from the chief's ({len(signature)} here, "
+                f"{len(chief_signature)} on the chief; shapes and dtypes here {signature[:4]}..., on "
+                f"the chief {chief_signature[:4]}...). Every worker must run the same "
+                "`with strategy.scope():` blocks, creating the same models and optimizers in the same "
+                "order; build models that only one worker needs outside the scope.")
+        jax_flat.assign_values(variables, values)
 
     # -- tf.distribute-style surface ------------------------------------------------------
     def run(self, fn: Callable, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -500,12 +573,6 @@ class JaxBackend(Backend):
             total = total + part
         return total
 
-    def broadcast_array(self, value: np.ndarray) -> np.ndarray:
-        """The chief's numpy array on every worker (one XLA collective)."""
-        if self.num_workers == 1:
-            return np.asarray(value)
-        return self.broadcast_arrays([value])[0]
-
     def broadcast_arrays(self, values: list[np.ndarray]) -> list[np.ndarray]:
         """The chief's numpy arrays on every worker, bit for bit, in one XLA collective.
 
@@ -517,7 +584,7 @@ class JaxBackend(Backend):
         try:
             return self._collectives.broadcast([np.asarray(value) for value in values])
         except Exception as error:  # noqa: BLE001
-            self.raise_if_worker_lost(error, "initial-value broadcast")
+            self.raise_if_worker_lost(error, "variable broadcast")
             raise
 
     def all_gather(self, value: np.ndarray) -> np.ndarray:

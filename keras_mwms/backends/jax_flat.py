@@ -3,7 +3,8 @@
 Why: under `keras.distribution.DataParallel`, XLA inserts a fused all-reduce of every gradient
 inside Keras' jitted step; on CPU gloo that is 1.4–6× slower than one all-reduce of a single
 flat vector (DESIGN.md §4). On this path every worker keeps ordinary single-device variables
-(identical everywhere: broadcast from the chief when created and at the start of every `fit`)
+(identical everywhere: broadcast from the chief when `strategy.scope()` is left and at the
+start of every `fit` and `evaluate`)
 and Keras' train step is split in three:
 
 1. a jitted **local** step on this worker's rows of the global batch: loss, gradients, metric
@@ -136,13 +137,18 @@ def model_state_variables(model) -> list:
     return variables
 
 
-def broadcast_variables(collectives: FlatCollectives, variables: list) -> None:
-    """Assigns the chief's values to `variables` on every worker (one collective)."""
-    if not variables:
-        return
-    values = collectives.broadcast([np.asarray(variable.value) for variable in variables])
+def assign_values(variables: list, values: list[np.ndarray]) -> None:
+    """Sets each variable to a host value (no communication); a variable that holds a global
+    replicated array (DataParallel) gets a global array again, built from the local value."""
+    import jax
+
     for variable, value in zip(variables, values):
-        variable.assign(value)
+        current = variable._value
+        if isinstance(current, jax.Array) and not current.is_fully_addressable:
+            variable._value = jax.make_array_from_callback(
+                value.shape, current.sharding, lambda index, value=value: value[index])
+        else:
+            variable.assign(value)
 
 
 def can_run_flat(model) -> str | None:

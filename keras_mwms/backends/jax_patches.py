@@ -3,21 +3,31 @@
 Installed by `JaxBackend.join()` and removed by `leave()`. Every patch checks that a keras_mwms
 JAX backend is active and otherwise calls the original Keras code unchanged.
 
-* `broadcast-initial-values` — Keras places a new replicated variable with `jax.device_put`,
+Collectives happen only where every worker goes: leaving `strategy.scope()`, the entry and the
+steps of `fit`/`evaluate`, the callbacks' coordination. Every path one worker may run alone
+(`save`, `save_weights`, `export`, `load_model`, building a model or optimizer, `predict`)
+enters none — before, a variable created on the chief alone broadcast its value and the chief
+hung until JAX's coordination service aborted both workers.
+
+* `local-variable-creation` — Keras places a new replicated variable with `jax.device_put`,
   which across processes asserts the value is equal everywhere ("not the same on each
-  process", keras-team/keras#19246-style seed mismatch) and aborts when workers seed
-  differently. We broadcast the chief's value instead (tf.distribute's MWMS does the same).
+  process") — a collective, which aborts when workers seed differently. A new variable keeps
+  its local value instead (a global array built without communication); those created in
+  `strategy.scope()` take the chief's values when the scope is left (`JaxBackend.scope`).
+* `state-at-entry` — the whole model, optimizer and metric state is broadcast from the chief in
+  one collective at the entry of every `fit` and `evaluate` (`_sync_state`), so values set on
+  one worker alone (`load_weights` on the chief, variables built lazily with a per-worker
+  seed) never reach a training step.
 * `global-batches` — `fit`/`evaluate`/`predict` refuse numpy input on several processes, hang on
   uneven shards and crash on a partial last batch (auto-sharding needs equal local shapes).
   We read the global batch on every worker and build the global arrays ourselves
   (`keras_mwms.backends.jax_data`); `_distribute_data` lets such arrays through untouched.
-* `predict-gathers-outputs` — `predict` fails with "Fetching value for jax.Array that spans
-  non-addressable devices"; we all-gather each batch's outputs, in order, to every worker.
+* `local-predict` — `predict` fails with "Fetching value for jax.Array that spans
+  non-addressable devices"; each worker computes every row it is given on its own device,
+  from its copy of the variables, with no collective.
 * `chief-progress-bar` — only the chief prints progress; the logs stay global everywhere.
 * `flat-train-step` — on the flat path (`jax_flat`) `make_train_function` builds the split step
-  (local gradients → one flat all-reduce → apply); `make_test_function` skips an empty share;
-  new variables take the chief's value (`JaxVariable._initialize`) and the whole state is
-  broadcast in one collective at the start of every fit.
+  (local gradients → one flat all-reduce → apply); `make_test_function` skips an empty share.
 * `global-metrics` — on the flat path `_get_metrics_result_or_logs` computes results from the
   all-worker metric state (end of every epoch and of `evaluate`).
 * `worker-lost` — a gloo failure caused by a dead peer becomes `WorkerLostError` naming it.
@@ -45,7 +55,7 @@ def active_backend():
 
 def install(backend) -> None:
     """Applies every patch (idempotent) and makes `backend` the one the patches serve."""
-    require_tested_keras("jax: broadcast-initial-values, global-batches, predict-gathers-outputs, "
+    require_tested_keras("jax: local-variable-creation, state-at-entry, global-batches, local-predict, "
                          "flat-train-step, global-metrics")
     _state["backend"] = backend
     if _state["originals"]:
@@ -58,12 +68,14 @@ def install(backend) -> None:
     originals["distribute_tensor"] = jax_distribution_lib.distribute_tensor
     originals["_distribute_data"] = jax_trainer._distribute_data
     originals["variable_initialize"] = jax_core.JaxVariable._initialize
+    originals["variable_initialize_with_initializer"] = jax_core.JaxVariable._initialize_with_initializer
     for name in _TRAINER_METHODS:
         originals[name] = getattr(jax_trainer.JAXTrainer, name)
 
     jax_distribution_lib.distribute_tensor = _distribute_tensor
     jax_trainer._distribute_data = _distribute_data
     jax_core.JaxVariable._initialize = _variable_initialize
+    jax_core.JaxVariable._initialize_with_initializer = _variable_initialize_with_initializer
     jax_trainer.JAXTrainer.fit = functools.wraps(originals["fit"])(_fit)
     jax_trainer.JAXTrainer.evaluate = functools.wraps(originals["evaluate"])(_evaluate)
     jax_trainer.JAXTrainer.predict = functools.wraps(originals["predict"])(_predict)
@@ -88,6 +100,7 @@ def uninstall(backend) -> None:
     jax_distribution_lib.distribute_tensor = originals.pop("distribute_tensor")
     jax_trainer._distribute_data = originals.pop("_distribute_data")
     jax_core.JaxVariable._initialize = originals.pop("variable_initialize")
+    jax_core.JaxVariable._initialize_with_initializer = originals.pop("variable_initialize_with_initializer")
     for name in _TRAINER_METHODS:
         original = originals.pop(name)
         if name == "_get_metrics_result_or_logs":
@@ -96,8 +109,14 @@ def uninstall(backend) -> None:
             setattr(jax_trainer.JAXTrainer, name, original)
 
 
-# -- broadcast-initial-values -------------------------------------------------------------
+# -- local-variable-creation --------------------------------------------------------------
 def _distribute_tensor(tensor, layout):
+    """A replicated global array built from this worker's value, with no communication.
+
+    Keras' `jax.device_put` checks across processes that the value is the same everywhere (a
+    collective, so a worker creating or assigning a variable alone would hang). The values
+    agree where every worker goes: at the exit of `strategy.scope()` and the entry of
+    `fit`/`evaluate` (`_sync_state`)."""
     import jax
     from jax.sharding import NamedSharding
     from keras.src.distribution import TensorLayout
@@ -112,7 +131,7 @@ def _distribute_tensor(tensor, layout):
     sharding = layout.backend_layout if isinstance(layout, TensorLayout) else layout
     if not (isinstance(sharding, NamedSharding) and sharding.is_fully_replicated):
         return original(tensor, layout)
-    value = backend.broadcast_array(np.asarray(tensor))
+    value = np.asarray(tensor)
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
@@ -197,15 +216,16 @@ def _on_flat_path(model) -> bool:
 
 
 def _model_context(backend, model, path):
-    """For a DataParallel model while the cluster runs the flat path: its variables become global
-    replicated arrays (no communication: they are identical everywhere) and the DataParallel
-    distribution is entered for the call."""
+    """For a DataParallel model: its variables become global replicated arrays (no
+    communication; `_sync_state` then gives them the chief's values), also those a local
+    `predict` built; while the cluster runs the flat path, the DataParallel distribution is
+    entered for the call."""
     import contextlib
 
-    if backend.path != jax_flat.FLAT or path != jax_flat.DATA_PARALLEL:
+    if path != jax_flat.DATA_PARALLEL or backend.mesh is None:
         return contextlib.nullcontext()
     _make_variables_global(backend, model)
-    return backend.distribution.scope()
+    return backend.distribution.scope() if backend.path == jax_flat.FLAT else contextlib.nullcontext()
 
 
 def _make_variables_global(backend, model) -> None:
@@ -223,39 +243,50 @@ def _make_variables_global(backend, model) -> None:
 
 
 def _variable_initialize(self, value):
-    """Patch `broadcast-initial-values` on the flat path: a new variable takes the chief's value."""
+    """Patch `local-variable-creation`: a new variable keeps its local value (no collective);
+    one created in `strategy.scope()` takes the chief's value when the scope is left."""
     _state["originals"]["variable_initialize"](self, value)
+    _note_new_variable(self)
+
+
+def _variable_initialize_with_initializer(self, initializer):
+    _state["originals"]["variable_initialize_with_initializer"](self, initializer)
+    _note_new_variable(self)
+
+
+def _note_new_variable(variable) -> None:
     backend = active_backend()
-    if backend is None or backend.path != jax_flat.FLAT or self._layout is not None:
+    if backend is None or backend.num_workers == 1:
         return
     import jax
     from keras.src.backend.common.stateless_scope import in_stateless_scope
     from keras.src.utils import jax_utils
 
-    current = self._value
-    if not isinstance(current, jax.Array) or in_stateless_scope() or jax_utils.is_in_jax_tracing_scope(current):
-        return
-    self._value = jax.numpy.asarray(backend.broadcast_array(np.asarray(current)))
+    current = variable._value
+    if isinstance(current, jax.Array) and not in_stateless_scope() and not jax_utils.is_in_jax_tracing_scope(current):
+        backend.note_new_variable(variable)
 
 
-def _sync_flat_state(backend, model) -> None:
-    """One broadcast of every model and optimizer variable, once per fit (and before a first
-    evaluate/predict): values set on one worker only (set_weights, load_weights) cannot drift."""
-    if getattr(model, "_keras_mwms_flat_synced", False):
+def _sync_state(model) -> None:
+    """Patch `state-at-entry`: one broadcast of every model, optimizer and metric variable from
+    the chief at the entry of each `fit` and `evaluate` (every worker reaches it), so values set
+    on one worker alone (set_weights, load_weights, variables built lazily with a per-worker
+    seed) cannot drift into training."""
+    backend = active_backend()
+    if backend is None or backend.num_workers == 1 or getattr(model, "_keras_mwms_synced", False):
         return
     variables = jax_flat.model_state_variables(model)
     values = backend.broadcast_arrays([np.asarray(variable.value) for variable in variables])
-    for variable, value in zip(variables, values):
-        variable.assign(value)
-    object.__setattr__(model, "_keras_mwms_flat_synced", True)
+    jax_flat.assign_values(variables, values)
+    object.__setattr__(model, "_keras_mwms_synced", True)
 
 
 def _make_train_function(self, force=False):
     """Patch `flat-train-step`: Keras' jitted step split around one flat gradient all-reduce."""
+    _sync_state(self)
     if not _on_flat_path(self):
         return _state["originals"]["make_train_function"](self, force)
     backend = active_backend()
-    _sync_flat_state(backend, self)
     if self.train_function is not None and not force:
         return
     step = jax_flat.make_flat_train_step(
@@ -266,9 +297,9 @@ def _make_train_function(self, force=False):
 
 def _make_test_function(self, force=False):
     """On the flat path: each worker evaluates its rows; an empty share leaves the state alone."""
+    _sync_state(self)
     if not _on_flat_path(self):
         return _state["originals"]["make_test_function"](self, force)
-    _sync_flat_state(active_backend(), self)
     if self.test_function is not None and not force:
         return
     import jax
@@ -363,7 +394,7 @@ def _fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
             (x, y, sample_weight), validation_split=validation_split)
     path = path_for(backend, self)
     placer = _placer(backend, path)
-    object.__setattr__(self, "_keras_mwms_flat_synced", False)  # broadcast the state at this fit
+    object.__setattr__(self, "_keras_mwms_synced", False)  # broadcast the state at this fit
     train = _adapter_for(backend, x, y, sample_weight, batch_size, steps_per_epoch, shuffle, class_weight,
                          placer=placer)
     if validation_data is not None:
@@ -385,6 +416,8 @@ def _evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weig
         return original(self, x, y, batch_size, verbose, sample_weight, steps, callbacks, return_dict,
                         **kwargs)
     _check_same_rows(backend, x, "model.evaluate()")
+    if not kwargs.get("_use_cached_eval_dataset"):   # (fit's validation: the state is already agreed)
+        object.__setattr__(self, "_keras_mwms_synced", False)
     path = path_for(backend, self)
     data = _adapter_for(backend, x, y, sample_weight, batch_size, steps, placer=_placer(backend, path))
     with _model_context(backend, self, path):
@@ -398,51 +431,66 @@ def _predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=Non
     backend = active_backend()
     if backend is None:
         return original(self, x, batch_size, verbose, steps, callbacks)
-    path = path_for(backend, self)
-    # The flat path predicts every row on every worker: full and ordered with no collective.
-    placer = _placer(backend, "full" if path == jax_flat.FLAT else path)
-    data = _adapter_for(backend, x, None, None, batch_size, steps, placer=placer)
-    with _model_context(backend, self, path):
+    if backend.num_workers == 1:
+        path = path_for(backend, self)
+        data = _adapter_for(backend, x, None, None, batch_size, steps, placer=_placer(backend, path))
+        with _model_context(backend, self, path):
+            return original(self, data, None, verbose, steps, callbacks)
+    data = _adapter_for(backend, x, None, None, batch_size, steps, placer=_IdentityPlacer())
+    with _without_distribution():
         return _running_user_code(backend, "model.predict", lambda: original(
             self, data, None, _quiet_unless_chief(backend, verbose), steps, callbacks))
 
 
-# -- predict-gathers-outputs --------------------------------------------------------------
+# -- local-predict ------------------------------------------------------------------------
 def _make_predict_function(self, force=False):
+    """Patch `local-predict`: `predict` may run on one worker alone (`if strategy.is_chief:`),
+    so it enters no collective. Each worker computes every row it is given on its first
+    local device, from its own copy of the variables (a DataParallel model's global replicated
+    arrays included): full, ordered outputs, the same on every worker that predicts."""
     backend = active_backend()
-    if _on_flat_path(self):
-        _sync_flat_state(backend, self)
-    result = _state["originals"]["make_predict_function"](self, force)
-    step = self.predict_function
-    if (backend is None or backend.mesh is None or getattr(step, "_keras_mwms_gathers", False)
-            or path_for(backend, self) == jax_flat.FLAT):
-        return result
-    gather = _full_output_gatherer(backend.mesh)
-
-    def gathering_step(state, iterator):
-        import jax
-
-        outputs, state = step(state, iterator)
-        return jax.tree.map(gather, outputs), state
-
-    gathering_step._keras_mwms_gathers = True
-    self.predict_function = gathering_step
-    return result
-
-
-def _full_output_gatherer(mesh):
+    if backend is None or backend.num_workers == 1:
+        return _state["originals"]["make_predict_function"](self, force)
+    if self.predict_function is not None and not force:
+        return self.predict_function
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec
 
-    replicate = jax.jit(lambda value: value, out_shardings=NamedSharding(mesh, PartitionSpec()))
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
-    def gather(value):
-        if not isinstance(value, jax.Array):
-            return value
-        if value.is_fully_addressable:
-            return np.asarray(value)
-        if not value.is_fully_replicated:
-            value = replicate(value)
-        return np.asarray(value.addressable_data(0))
+    def local_predict_step(state, data):
+        return self.predict_step(state, data)
 
-    return gather
+    if not self.run_eagerly and self.jit_compile:
+        local_predict_step = jax.jit(local_predict_step, in_shardings=device, out_shardings=device)
+
+    def local_copy(value):
+        if isinstance(value, jax.Array) and not value.is_fully_addressable:
+            value = value.addressable_data(0)
+        return jax.device_put(value, device)
+
+    def predict_step(state, data):
+        trainable, non_trainable = state
+        outputs, non_trainable = local_predict_step(
+            ([local_copy(v) for v in trainable], [local_copy(v) for v in non_trainable]), data)
+        return outputs, (trainable, non_trainable)
+
+    self.predict_function = self._make_function(predict_step, concatenate_outputs=True)
+    return self.predict_function
+
+
+def _without_distribution():
+    """No Keras distribution for the call: data stays this worker's numpy batches."""
+    import contextlib
+
+    from keras.src.distribution import distribution_lib
+
+    @contextlib.contextmanager
+    def cleared():
+        previous = distribution_lib.distribution()
+        distribution_lib.set_distribution(None)
+        try:
+            yield
+        finally:
+            distribution_lib.set_distribution(previous)
+
+    return cleared()
