@@ -28,7 +28,9 @@ import numpy as np
 
 
 class GlobalBatchSource:
-    """Iterates one epoch of global batches as numpy structures `(x, y, sample_weight)`."""
+    """Iterates one epoch of global batches as numpy structures packed as Keras packs them:
+    `(x, y, sample_weight)`, `(x, y)` without sample weights, `x` alone without targets (a
+    custom `train_step` may unpack `x, y = data`, as in Keras' guides)."""
 
     num_batches: int | None = None
     batch_size: int | None = None
@@ -52,7 +54,7 @@ class ArraySource(GlobalBatchSource):
     >>> from keras.src.trainers.data_adapters.array_slicing import convert_to_sliceable
     >>> arrays = convert_to_sliceable((np.arange(5.0), None, None), target_backend="jax")
     >>> source = ArraySource(arrays, batch_size=2, shuffle=False, seed=0)
-    >>> [batch[0].tolist() for batch in source.epoch()]
+    >>> [batch.tolist() for batch in source.epoch()]
     [[0.0, 1.0], [2.0, 3.0], [4.0]]
     """
 
@@ -85,16 +87,12 @@ class ArraySource(GlobalBatchSource):
             order = self._rng.permutation(self._rows)
         for start in range(0, self._rows, self.batch_size):
             index = order[start:start + self.batch_size]
-            batch = self._tree.map_structure(
+            x, y, sample_weight = self._tree.map_structure(
                 lambda leaf, index=index: None if leaf is None else type(leaf).convert_to_numpy(leaf[index]),
                 self._arrays, none_is_leaf=True)
-            if self._class_weight is not None:
-                x, y, sample_weight = batch
-                if sample_weight is None:
-                    sample_weight = data_adapter_utils.class_weight_to_sample_weights(
-                        y, self._class_weight)
-                batch = (x, y, sample_weight)
-            yield batch
+            if self._class_weight is not None and sample_weight is None:
+                sample_weight = data_adapter_utils.class_weight_to_sample_weights(y, self._class_weight)
+            yield data_adapter_utils.pack_x_y_sample_weight(x, y, sample_weight)
 
 
 class AdapterSource(GlobalBatchSource):
@@ -246,12 +244,8 @@ class LocalPartSource(GlobalBatchSource):
         self._dataset = dataset
 
     def epoch(self) -> Iterator[Any]:
-        from keras.src.trainers.data_adapters import data_adapter_utils
-
         for batch in self._dataset.local_batches():
-            if not isinstance(batch, tuple):
-                batch = (batch,)
-            yield data_adapter_utils.unpack_x_y_sample_weight(batch)
+            yield tuple(batch) if isinstance(batch, list) else batch
 
 
 def make_global_batch_adapter(source: GlobalBatchSource, placer: GlobalArrayPlacer):

@@ -22,6 +22,7 @@ hung until JAX's coordination service aborted both workers.
   uneven shards and crash on a partial last batch (auto-sharding needs equal local shapes).
   We read the global batch on every worker and build the global arrays ourselves
   (`keras_mwms.backends.jax_data`); `_distribute_data` lets such arrays through untouched.
+  Batches are packed as Keras packs them (`(x, y)` without sample weights).
 * `local-predict` — `predict` fails with "Fetching value for jax.Array that spans
   non-addressable devices"; each worker computes every row it is given on its own device,
   from its copy of the variables, with no collective.
