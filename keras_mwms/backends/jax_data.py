@@ -102,7 +102,9 @@ class AdapterSource(GlobalBatchSource):
         self._adapter = adapter
         self.num_batches = adapter.num_batches
         self.batch_size = adapter.batch_size
-        self.partial_batch_size = adapter.partial_batch_size if adapter.has_partial_batch else None
+        # A generator's adapter knows no batch count, and raises on `has_partial_batch`.
+        known = self.num_batches is not None and self.batch_size is not None
+        self.partial_batch_size = adapter.partial_batch_size if known and adapter.has_partial_batch else None
 
     def epoch(self) -> Iterator[Any]:
         return self._adapter.get_numpy_iterator()
