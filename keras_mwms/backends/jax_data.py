@@ -96,7 +96,9 @@ class ArraySource(GlobalBatchSource):
 
 
 class AdapterSource(GlobalBatchSource):
-    """Global batches from a Keras data adapter (tf.data, generator, torch DataLoader, grain)."""
+    """Global batches from a Keras data adapter (tf.data, Python generator, `PyDataset`, torch
+    DataLoader, grain), read in Keras' own order: a `PyDataset` with `shuffle=True` is shuffled
+    by Keras' adapter with Python's `random`, whose state the workers agree at `fit` entry."""
 
     def __init__(self, adapter: Any):
         self._adapter = adapter
@@ -114,36 +116,6 @@ class AdapterSource(GlobalBatchSource):
 
     def on_epoch_end(self) -> None:
         self._adapter.on_epoch_end()
-
-
-class PyDatasetSource(GlobalBatchSource):
-    """Global batches from a `keras.utils.PyDataset`; `shuffle` permutes batch indices identically."""
-
-    def __init__(self, adapter: Any, shuffle: bool, seed: int):
-        self._adapter = adapter
-        self._dataset = adapter.py_dataset
-        self._shuffle = bool(shuffle)
-        self._rng = np.random.default_rng(seed)
-        self.num_batches = self._dataset.num_batches
-
-    def epoch(self) -> Iterator[Any]:
-        if self.num_batches is None:
-            index = 0
-            while True:
-                try:
-                    batch = self._dataset[index]
-                except (IndexError, StopIteration):
-                    return
-                yield self._adapter._standardize_batch(batch)
-                index += 1
-        order = np.arange(self.num_batches)
-        if self._shuffle:
-            order = self._rng.permutation(self.num_batches)
-        for index in order:
-            yield self._adapter._standardize_batch(self._dataset[int(index)])
-
-    def on_epoch_end(self) -> None:
-        self._dataset.on_epoch_end()
 
 
 class GlobalArrayPlacer:
@@ -295,22 +267,33 @@ def make_global_batch_adapter(source: GlobalBatchSource, placer: GlobalArrayPlac
 
 def make_source(x: Any, y: Any, sample_weight: Any, batch_size: int | None, steps: int | None,
                 shuffle: bool | str, class_weight: dict | None, seed: int) -> GlobalBatchSource:
-    """The right `GlobalBatchSource` for whatever the user passed to fit/evaluate/predict."""
-    from keras.src.trainers.data_adapters import array_data_adapter, get_data_adapter
-    from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
-    from keras.utils import PyDataset
+    """The right `GlobalBatchSource` for whatever the user passed to fit/evaluate/predict.
 
-    if array_data_adapter.can_convert_arrays((x, y, sample_weight)):
+    `seed` shuffles arrays; a `PyDataset` is shuffled by Keras' own adapter (Python's `random`).
+    """
+    from keras.src.trainers.data_adapters import get_data_adapter
+
+    if is_array_input(x, y, sample_weight):
         from keras.src.trainers.data_adapters import array_slicing
 
         arrays = array_slicing.convert_to_sliceable((x, y, sample_weight), target_backend="jax")
         return ArraySource(arrays, batch_size or 32, shuffle, seed, class_weight)
-    if isinstance(x, PyDataset):
-        adapter = get_data_adapter(x, y, sample_weight, batch_size, steps, False, class_weight)
-        assert isinstance(adapter, PyDatasetAdapter)
-        return PyDatasetSource(adapter, shuffle, seed)
-    adapter = get_data_adapter(x, y, sample_weight, batch_size, steps, False, class_weight)
-    return AdapterSource(adapter)
+    shuffle = bool(shuffle) and shuffles_with_python_random(x)
+    return AdapterSource(get_data_adapter(x, y, sample_weight, batch_size, steps, shuffle, class_weight))
+
+
+def is_array_input(x: Any, y: Any = None, sample_weight: Any = None) -> bool:
+    """True for in-memory arrays (numpy, JAX, TF, pandas...), which keras_mwms cuts and shuffles."""
+    from keras.src.trainers.data_adapters import array_data_adapter
+
+    return array_data_adapter.can_convert_arrays((x, y, sample_weight))
+
+
+def shuffles_with_python_random(x: Any) -> bool:
+    """True for a `keras.utils.PyDataset`, whose batch order Keras shuffles with Python's `random`."""
+    from keras.utils import PyDataset
+
+    return isinstance(x, PyDataset)
 
 
 def split_local_replicas(batch: Any, replicas_per_worker: int) -> list[Any]:
