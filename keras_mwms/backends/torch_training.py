@@ -441,7 +441,7 @@ def _distributed_test_function(model, backend: TorchBackend, test_function):
                 local_results = _local_metric_results(model)
             finally:
                 _metric_restore(model, snapshot)
-        return _global_logs(model, backend, logs, rows, local_results)
+        return _global_logs(model, backend, logs, rows, local_results, metric_logs_now=False)
 
     distributed_test_function._keras_mwms = True
     return distributed_test_function
@@ -490,7 +490,8 @@ def _like(value: torch.Tensor, leaf) -> torch.Tensor:
     return value.reshape(template.shape).to(device=template.device, dtype=dtype)
 
 
-def _global_logs(model, backend: TorchBackend, logs, rows: int, local_results: dict):
+def _global_logs(model, backend: TorchBackend, logs, rows: int, local_results: dict,
+                 metric_logs_now: bool = True):
     """A training or test step's logs, identical on every worker and as one process logs them.
 
     Logs of Keras' own steps are the metric results: reduced as metric states (sum, min/max).
@@ -500,12 +501,14 @@ def _global_logs(model, backend: TorchBackend, logs, rows: int, local_results: d
     result; any other number (the step's own loss, say) the mean over workers weighted by their
     rows, as one process would compute it on the global batch. Which is which is agreed in one
     small all-reduce, so every worker issues the same collectives whatever its values.
+    Logs that are exactly the metric results are left to `_get_metrics_result_or_logs`: at
+    once for a training step (`metric_logs_now`), when `evaluate` ends for a test step.
     """
     flat_keys = set()
     for name, result in local_results.items():
         flat_keys.update(result if isinstance(result, dict) else (name,))
     if not isinstance(logs, dict) or set(logs) == flat_keys:
-        return model._get_metrics_result_or_logs(logs)
+        return model._get_metrics_result_or_logs(logs) if metric_logs_now else logs
     numeric = {key: leaves for key, value in logs.items()
                if (leaves := _numeric_leaves(value)) is not None}
     flags = [float(key in local_results and _same_values(logs[key], local_results[key]))
