@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -292,7 +293,7 @@ def shard_fit_inputs(backend: TorchBackend, args: tuple, kwargs: dict) -> dict:
     # Keras shuffles a PyDataset's batches itself, with Python's `random`: keep its shuffle.
     shuffles_batches = bool(values["shuffle"]) and isinstance(x, _keras_pydataset())
     seed = shared_seed(backend, python_random=shuffles_batches)
-    check_same_rows(backend, x, "model.fit()")
+    check_same_rows(backend, x, "model.fit()", compare_first_batch=True)
     if _is_arrays(x, y, sample_weight):
         x, y, sample_weight = _to_numpy((x, y, sample_weight))
         if values["class_weight"] is not None:
@@ -336,26 +337,56 @@ def shard_evaluate_inputs(backend: TorchBackend, args: tuple, kwargs: dict) -> d
     return values
 
 
-def check_same_rows(backend: TorchBackend, x, what: str) -> None:
+def check_same_rows(backend: TorchBackend, x, what: str, compare_first_batch: bool = False) -> None:
     """Every worker must pass arrays of one length; else a clear error everywhere (one all-reduce).
 
     Different lengths give workers different step counts: the next collective would mismatch
-    (gloo aborts the process), so it is caught before the first step.
+    (gloo aborts the process), so it is caught before the first step. With
+    `compare_first_batch`, a tf.data input's first-batch digest (`keras_mwms.data.
+    first_batch_digest`) rides in the same all-reduce, and every worker warns when the workers'
+    datasets start differently (a shuffle seeded differently per worker, or not at all).
     """
     import torch
 
-    from keras_mwms.data import leading_rows, uneven_rows_error
+    from keras_mwms.data import (
+        different_first_batches_warning,
+        first_batch_digest,
+        leading_rows,
+        uneven_rows_error,
+    )
 
     if not backend.distributed:
         return
     rows = leading_rows(x)
-    mine = torch.zeros(backend.num_workers, dtype=torch.float64)
-    mine[backend.worker_index] = 0 if rows is None else rows + 1   # 0 encodes "not arrays"
+    digest = first_batch_digest(x) if compare_first_batch and not _sharding_off(x) else None
+    # Per worker: rows + 1 (0: not arrays), then the 64-bit digest as two exact 32-bit halves
+    # (-1: none).
+    mine = torch.zeros((backend.num_workers, 3), dtype=torch.float64)
+    mine[backend.worker_index, 0] = 0 if rows is None else rows + 1
+    value = -1 if digest is None else int(digest, 16)
+    mine[backend.worker_index, 1:] = torch.tensor(
+        [-1.0, -1.0] if value < 0 else [float(value >> 32), float(value & 0xFFFFFFFF)],
+        dtype=torch.float64)
     (everyone,) = backend.all_reduce_flat([mine], what="row-count check")
-    error = uneven_rows_error([int(value) - 1 if value else None for value in everyone.tolist()],
+    error = uneven_rows_error([int(value) - 1 if value else None for value in everyone[:, 0].tolist()],
                               backend.worker_index, what)
     if error is not None:
         raise error
+    digests = [None if high < 0 else f"{int(high):08x}{int(low):08x}"
+               for high, low in everyone[:, 1:].tolist()]
+    message = different_first_batches_warning(digests, what)
+    if message is not None:
+        warnings.warn(message, stacklevel=4)
+
+
+def _sharding_off(x) -> bool:
+    """Whether `x` is a tf.data.Dataset with AutoShardPolicy.OFF (per-worker data by intent)."""
+    module = type(x).__module__
+    if not (module.startswith("tensorflow") and hasattr(x, "options")):
+        return False
+    import tensorflow as tf
+
+    return x.options().experimental_distribute.auto_shard_policy == tf.data.experimental.AutoShardPolicy.OFF
 
 
 def _original(method):
