@@ -600,11 +600,6 @@ class JaxBackend(Backend):
             self.raise_if_worker_lost(error, "metric all-gather")
             raise
 
-    def agreed_seed(self) -> int:
-        """A seed drawn by the chief (from numpy's global RNG) and shared with every worker."""
-        seed = int(np.random.randint(0, 2**31 - 1)) if self.is_chief else 0
-        return int(self.broadcast_object(seed))
-
     # -- faults ---------------------------------------------------------------------------
     def _publish_identity(self) -> None:
         """Shares (host, pid) of every worker, so a lost local peer can be named at once."""

@@ -14,13 +14,14 @@ turns it into one global `jax.Array` itself:
   whole batch. The result is exactly the single-process step (same rows, same loss
   denominator, same BatchNormalization statistics), with no padding and no hang.
 
-`shuffle=True` permutes the global order with a seed agreed by all workers, so every worker
-cuts the same global batches.
+Keras' own data adapters read the global batches, so batches, packing and the shuffled order
+are plain Keras': `shuffle=True` draws from NumPy's global RNG (arrays) or Python's `random`
+(PyDataset), whose states every worker takes from the chief at `fit` entry — the same global
+batches on every worker, in the order one process with the chief's seed draws.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -46,62 +47,17 @@ class GlobalBatchSource:
         pass
 
 
-class ArraySource(GlobalBatchSource):
-    """Global batches of in-memory arrays, shuffled identically on every worker.
+class AdapterSource(GlobalBatchSource):
+    """Global batches from Keras' own data adapter for the input (arrays, tf.data, Python
+    generator, `PyDataset`, torch DataLoader, grain), in Keras' own order and packing.
 
-    Example:
-
-    >>> from keras.src.trainers.data_adapters.array_slicing import convert_to_sliceable
-    >>> arrays = convert_to_sliceable((np.arange(5.0), None, None), target_backend="jax")
-    >>> source = ArraySource(arrays, batch_size=2, shuffle=False, seed=0)
-    >>> [batch.tolist() for batch in source.epoch()]
-    [[0.0, 1.0], [2.0, 3.0], [4.0]]
+    `local_parts`: each batch is this worker's own part of the step (a tf.data dataset with
+    `AutoShardPolicy.OFF`), not a global batch.
     """
 
-    def __init__(self, arrays: tuple, batch_size: int, shuffle: bool | str, seed: int,
-                 class_weight: dict | None = None):
-        """`arrays`: `(x, y, sample_weight)` of Keras `Sliceable`s (`array_slicing.convert_to_sliceable`)."""
-        from keras.src import tree
-
-        self._arrays = arrays
-        self._tree = tree
-        leaves = [leaf for leaf in tree.flatten(arrays) if leaf is not None]
-        self._rows = int(leaves[0].array.shape[0])
-        self._shuffle = shuffle
-        self._rng = np.random.default_rng(seed)
-        self._class_weight = class_weight
-        self.batch_size = batch_size
-        self.num_batches = max(1, math.ceil(self._rows / batch_size))
-        remainder = self._rows % batch_size
-        self.partial_batch_size = remainder or None
-
-    def epoch(self) -> Iterator[Any]:
-        from keras.src.trainers.data_adapters import data_adapter_utils
-
-        order = np.arange(self._rows)
-        if self._shuffle == "batch":
-            # Shuffle whole batches, keep rows inside a batch together (Keras' "batch" mode).
-            starts = self._rng.permutation(self.num_batches) * self.batch_size
-            order = np.concatenate([order[s:s + self.batch_size] for s in starts])
-        elif self._shuffle:
-            order = self._rng.permutation(self._rows)
-        for start in range(0, self._rows, self.batch_size):
-            index = order[start:start + self.batch_size]
-            x, y, sample_weight = self._tree.map_structure(
-                lambda leaf, index=index: None if leaf is None else type(leaf).convert_to_numpy(leaf[index]),
-                self._arrays, none_is_leaf=True)
-            if self._class_weight is not None and sample_weight is None:
-                sample_weight = data_adapter_utils.class_weight_to_sample_weights(y, self._class_weight)
-            yield data_adapter_utils.pack_x_y_sample_weight(x, y, sample_weight)
-
-
-class AdapterSource(GlobalBatchSource):
-    """Global batches from a Keras data adapter (tf.data, Python generator, `PyDataset`, torch
-    DataLoader, grain), read in Keras' own order: a `PyDataset` with `shuffle=True` is shuffled
-    by Keras' adapter with Python's `random`, whose state the workers agree at `fit` entry."""
-
-    def __init__(self, adapter: Any):
+    def __init__(self, adapter: Any, local_parts: bool = False):
         self._adapter = adapter
+        self.local_parts = local_parts
         self.num_batches = adapter.num_batches
         self.batch_size = adapter.batch_size
         # A generator's adapter knows no batch count, and raises on `has_partial_batch`.
@@ -266,34 +222,40 @@ def make_global_batch_adapter(source: GlobalBatchSource, placer: GlobalArrayPlac
 
 
 def make_source(x: Any, y: Any, sample_weight: Any, batch_size: int | None, steps: int | None,
-                shuffle: bool | str, class_weight: dict | None, seed: int) -> GlobalBatchSource:
-    """The right `GlobalBatchSource` for whatever the user passed to fit/evaluate/predict.
-
-    `seed` shuffles arrays; a `PyDataset` is shuffled by Keras' own adapter (Python's `random`).
-    """
+                shuffle: bool | str, class_weight: dict | None) -> GlobalBatchSource:
+    """The `GlobalBatchSource` for whatever the user passed to fit/evaluate/predict: Keras' own
+    adapter, so batches, packing and shuffled order are plain Keras' (see `shuffles_globally`)."""
     from keras.src.trainers.data_adapters import get_data_adapter
 
-    if is_array_input(x, y, sample_weight):
-        from keras.src.trainers.data_adapters import array_slicing
-
-        arrays = array_slicing.convert_to_sliceable((x, y, sample_weight), target_backend="jax")
-        return ArraySource(arrays, batch_size or 32, shuffle, seed, class_weight)
-    shuffle = bool(shuffle) and shuffles_with_python_random(x)
-    return AdapterSource(get_data_adapter(x, y, sample_weight, batch_size, steps, shuffle, class_weight))
+    adapter = get_data_adapter(x, y, sample_weight, batch_size, steps, shuffle, class_weight)
+    return AdapterSource(adapter, local_parts=shard_policy_is_off(x))
 
 
-def is_array_input(x: Any, y: Any = None, sample_weight: Any = None) -> bool:
-    """True for in-memory arrays (numpy, JAX, TF, pandas...), which keras_mwms cuts and shuffles."""
+def shuffles_globally(x: Any, y: Any = None, sample_weight: Any = None) -> bool:
+    """True for the inputs Keras shuffles with a process-global random state: arrays (NumPy's
+    global RNG) and a `keras.utils.PyDataset` (Python's `random`). The workers take the chief's
+    states at `fit` entry, so each cuts the global batches of one process with the chief's seed.
+
+    Example:
+
+    >>> shuffles_globally(np.zeros((4, 2)), np.zeros(4)), shuffles_globally(iter([]))
+    (True, False)
+    """
     from keras.src.trainers.data_adapters import array_data_adapter
-
-    return array_data_adapter.can_convert_arrays((x, y, sample_weight))
-
-
-def shuffles_with_python_random(x: Any) -> bool:
-    """True for a `keras.utils.PyDataset`, whose batch order Keras shuffles with Python's `random`."""
     from keras.utils import PyDataset
 
-    return isinstance(x, PyDataset)
+    return isinstance(x, PyDataset) or array_data_adapter.can_convert_arrays((x, y, sample_weight))
+
+
+def shard_policy_is_off(x: Any) -> bool:
+    """True for a tf.data dataset with `AutoShardPolicy.OFF`: each worker feeds its own part."""
+    import sys
+
+    tf = sys.modules.get("tensorflow")
+    if tf is None or not isinstance(x, tf.data.Dataset):
+        return False
+    policy = x.options().experimental_distribute.auto_shard_policy
+    return policy == tf.data.experimental.AutoShardPolicy.OFF
 
 
 def split_local_replicas(batch: Any, replicas_per_worker: int) -> list[Any]:

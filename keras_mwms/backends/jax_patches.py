@@ -22,8 +22,8 @@ hung until JAX's coordination service aborted both workers.
   uneven shards and crash on a partial last batch (auto-sharding needs equal local shapes).
   We read the global batch on every worker and build the global arrays ourselves
   (`keras_mwms.backends.jax_data`); `_distribute_data` lets such arrays through untouched.
-  Batches are packed as Keras packs them (`(x, y)` without sample weights), and a shuffled
-  `PyDataset` takes Keras' own order with the chief's Python `random` state.
+  Keras' own adapters cut, pack (`(x, y)` without sample weights) and shuffle the batches;
+  shuffled arrays and PyDatasets take the chief's NumPy / Python `random` state at `fit` entry.
 * `local-predict` — `predict` fails with "Fetching value for jax.Array that spans
   non-addressable devices"; each worker computes every row it is given on its own device,
   from its copy of the variables, with no collective.
@@ -161,22 +161,22 @@ def _adapter_for(backend, x, y=None, sample_weight=None, batch_size=None, steps=
     if isinstance(x, jax_data.DistributedDataset):
         source = jax_data.LocalPartSource(x)
     else:
-        if shuffle and jax_data.shuffles_with_python_random(x):
-            _align_python_random(backend)
-        seed = backend.agreed_seed() if shuffle and jax_data.is_array_input(x, y, sample_weight) else 0
-        source = jax_data.make_source(x, y, sample_weight, batch_size, steps, shuffle, class_weight, seed)
+        if shuffle and jax_data.shuffles_globally(x, y, sample_weight):
+            _align_shuffle_state(backend)
+        source = jax_data.make_source(x, y, sample_weight, batch_size, steps, shuffle, class_weight)
     return jax_data.make_global_batch_adapter(source, placer or _placer(backend))
 
 
-def _align_python_random(backend) -> None:
-    """Keras' PyDataset adapter shuffles batch order with Python's `random`: workers take the
-    chief's state (the chief keeps its own, so its order is the one plain Keras draws in one
-    process with the same seeds), so every worker cuts the same global batches."""
+def _align_shuffle_state(backend) -> None:
+    """Keras shuffles arrays with NumPy's global RNG and a PyDataset's batch order with Python's
+    `random`: workers take the chief's states (the chief keeps its own, so its order is the one
+    plain Keras draws in one process with the same seeds), so every worker cuts the same global
+    batches."""
     import random
 
-    state = backend.broadcast_object(random.getstate())
-    if state != random.getstate():
-        random.setstate(state)
+    python_state, numpy_state = backend.broadcast_object((random.getstate(), np.random.get_state()))
+    random.setstate(python_state)
+    np.random.set_state(numpy_state)
 
 
 class _IdentityPlacer:
