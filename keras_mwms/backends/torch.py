@@ -19,6 +19,7 @@ start one worker per GPU instead.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import faulthandler
@@ -45,6 +46,8 @@ DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 _LIVENESS_WINDOW_SECONDS = 3.0
 # Upper bound for the process to end after a lost worker, even if gloo's teardown hangs.
 _EXIT_WATCHDOG_SECONDS = 30.0
+# At a normal exit, how long the chief waits for the other workers to sign off its store.
+_SIGN_OFF_SECONDS = 10.0
 LOCAL_WORKERS_ENV = "KERAS_MWMS_LOCAL_WORKERS"
 
 
@@ -153,6 +156,7 @@ class TorchBackend(Backend):
         self.bucket_bytes = options.bytes_per_pack or DEFAULT_BUCKET_BYTES
         self._engine: str | None = None
         self._joined = False
+        self._tcp_store: dist.TCPStore | None = None   # the store of a process group we started
         self._scope_depth = 0
         self._scope_lock = threading.Lock()
         self._created_in_scope: dict[int, Any] = {}
@@ -201,10 +205,12 @@ class TorchBackend(Backend):
                 _bind_gloo_to(split_address(self.resolver.worker_addresses[self.worker_index])[0])
             started = time.monotonic()
             try:
+                store = self._store(host, port)
                 dist.init_process_group(
-                    engine, store=self._store(host, port), rank=self.worker_index,
-                    world_size=self.num_workers,
+                    engine, store=store, rank=self.worker_index, world_size=self.num_workers,
                     timeout=datetime.timedelta(seconds=self.timeout_seconds))
+                self._tcp_store = store
+                atexit.register(self._leave_at_exit)
             except Exception as error:
                 raise WorkerLostError(
                     f"keras_mwms worker {self.worker_index}: torch.distributed ({engine}) could not "
@@ -253,6 +259,36 @@ class TorchBackend(Backend):
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
         self._joined = False
+
+    def _leave_at_exit(self) -> None:
+        """Tears the process group down in order when the interpreter exits (registered by `join`).
+
+        torch asks for `destroy_process_group()` before exit: left to interpreter finalization,
+        gloo's threads can be destroyed while still holding work and abort the process
+        ("terminate called without an active exception", SIGABRT; pytorch/pytorch#190489,
+        #179291). Seen here: 3 of 23 two-worker runs aborted after training and saving had
+        finished, so the launcher reported a failure and `--max-restarts` would retrain a
+        finished job. Order: the chief's TCPStore serves every worker, so the other workers
+        destroy their process group and then sign off on the store, and the chief destroys its
+        own (and with it the store) once they all signed off, or after `_SIGN_OFF_SECONDS`.
+        Nobody else waits: a worker still in a collective with one that left learns of it at
+        once, as before, and a chief that is still saving keeps nobody waiting.
+        """
+        store, self._tcp_store = self._tcp_store, None
+        if store is None or not self._joined or not dist.is_initialized():
+            return
+        try:
+            if self.worker_index != 0:
+                self.leave()
+                store.set(f"keras_mwms/left/{self.worker_index}", "1")
+                return
+            if getattr(sys, "last_value", None) is None:   # no uncaught exception
+                store.wait([f"keras_mwms/left/{rank}" for rank in range(1, self.num_workers)],
+                           datetime.timedelta(seconds=_SIGN_OFF_SECONDS))
+            self.leave()
+        except Exception:
+            # A peer is gone or late: leave anyway, within a bound.
+            self._teardown_bounded()
 
     # -- scope ----------------------------------------------------------------------------
     @contextlib.contextmanager
