@@ -49,6 +49,7 @@ What a tagged model gets (DESIGN.md §3):
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -521,6 +522,8 @@ def _global_logs(model, backend: TorchBackend, logs, rows: int, local_results: d
     from_metrics = [key for key, count in zip(numeric, agreed.tolist())
                     if count == backend.num_workers]
     global_results = {}
+    if from_metrics and total_rows != rows * backend.num_workers:
+        _warn_custom_logs_on_uneven_rows(from_metrics)
     if from_metrics:
         with global_metric_state(model, backend):
             global_results = _local_metric_results(model)
@@ -538,6 +541,30 @@ def _global_logs(model, backend: TorchBackend, logs, rows: int, local_results: d
             result[key] = tree.pack_sequence_as(logs[key], means)
     object.__setattr__(model, "_keras_mwms_global_logs", result)
     return result
+
+
+_warned_custom_logs = [False]
+
+
+def _warn_custom_logs_on_uneven_rows(keys) -> None:
+    """Says once that a custom step's own trackers weigh workers, not rows, on uneven steps.
+
+    A tracker a custom `train_step` updates once per step with its shard's value (the guide's
+    `loss_tracker.update_state(loss)`) gets one update per worker; on a step whose global batch
+    splits unevenly (a short last batch, a batch not divisible by the workers) one process
+    would weigh the rows instead, so the logged value differs slightly from one process. The
+    gradients are the global batch's either way.
+    """
+    if _warned_custom_logs[0]:
+        return
+    _warned_custom_logs[0] = True
+    warnings.warn(
+        f"keras_mwms (torch): a custom train_step/test_step logged {sorted(keys)} from trackers "
+        "it updates once per step; on this step the workers held different numbers of rows, so "
+        "these logs weigh each worker's value equally where one process would weigh rows (the "
+        "weights are trained on the global batch all the same). For logs equal to one process, "
+        "use a global batch divisible by the number of workers and a dataset size divisible by "
+        "the global batch, or Keras' built-in train_step.", stacklevel=2)
 
 
 # -- optimizer ----------------------------------------------------------------------------

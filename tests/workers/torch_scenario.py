@@ -73,6 +73,7 @@ def run_scenario(strategy, out: str, data="arrays", optimizer="sgd", epochs=2, r
 
     index = strategy.worker_index
     keras.utils.set_random_seed(100 + index if seed_by_worker else 100)
+    seed_probe = float(np.random.random())   # shows whether this worker was seeded differently
     if classification:
         x, y = common.classification_data(rows)
         outputs, loss, metrics = common.NUM_CLASSES, keras.losses.SparseCategoricalCrossentropy(
@@ -102,6 +103,7 @@ def run_scenario(strategy, out: str, data="arrays", optimizer="sgd", epochs=2, r
         history={key: [float(v) for v in values] for key, values in history.history.items()},
         evaluate={key: float(value) for key, value in evaluation.items()},
         weight_sum_before_fit=before,
+        seed_probe=seed_probe,
         weight_sum_at_train_begin=start_sums[0],
         optimizer_class=type(model.optimizer).__mro__[1].__module__,
         optimizer_iterations=int(model.optimizer.iterations.numpy()),
