@@ -419,11 +419,14 @@ class Rendezvous:
             if self._state.aborted:
                 self._spread_abort(others, min(deadline, time.monotonic() + 3))
         finally:
-            if self.me.rank == 0:
-                self._release_ready()
+            # The listening socket closes before the chief says go: a worker that got its go
+            # and connects to the engine on the same port (torch's TCPStore) must never land
+            # in this listener's queue, where closing it resets the connection.
             stop.set()
             server.join(timeout=2)
             listener.close()
+            if self.me.rank == 0:
+                self._release_ready()
         self._raise_if_failed(others, time.monotonic() - start)
 
     def _spread_abort(self, others: Sequence[Peer], until: float) -> None:
