@@ -6,11 +6,15 @@ workers run the same number of steps and pair their collectives, whatever the da
 
 | input | how it is sharded |
 |---|---|
-| numpy arrays / torch tensors | a `PyDataset` of row indices; the epoch's permutation is drawn from a seed broadcast by the chief, so `shuffle=True` shuffles identically everywhere |
-| `tf.data.Dataset` | `dataset.map` keeps the worker's slice (AutoShardPolicy DATA; OFF: untouched) |
+| numpy arrays / torch tensors | a `PyDataset` of row indices; with `shuffle=True`, Keras' own array loader (torch's `RandomSampler` on torch's global RNG, as plain Keras), each global batch sliced |
+| `tf.data.Dataset` | `dataset.scan` keeps the worker's slice (AutoShardPolicy DATA; OFF: untouched); the user's dataset is never iterated (a new iterator of a reshuffling dataset would advance its order) |
 | `keras.utils.PyDataset` | a wrapping `PyDataset` slicing every item; `shuffle=True` shuffles the batch order as Keras does, from the chief's Python `random` state |
-| `torch.utils.data.DataLoader` | a wrapping loader slicing every batch; a shuffling sampler gets a generator seeded from the chief |
+| `torch.utils.data.DataLoader` | a wrapping loader slicing every batch; a shuffling sampler draws from torch's global RNG, as plain torch does |
 | other iterables / generators | a generator slicing every batch |
+
+At `fit` entry every worker takes the chief's Python and torch random states (the chief keeps
+its own), so every shuffle above draws the chief's order: the order one process of plain Keras
+with the chief's seed draws.
 
 A short last global batch may leave a worker with zero rows; the trainer patch runs such a
 step on a zero-weight dummy row so collectives stay paired.
@@ -71,43 +75,66 @@ def _num_rows(structure) -> int:
     raise ValueError("keras_mwms: the input arrays are empty; give at least one row.")
 
 
-def shared_seed(backend: TorchBackend, python_random: bool = False) -> int:
-    """A seed drawn by the chief (from NumPy's global RNG) and known to every worker.
+def align_random_states(backend: TorchBackend, python_random: bool = False,
+                        torch_random: bool = False) -> None:
+    """Every worker takes the chief's Python `random` and/or torch global RNG state (one
+    broadcast, made by every worker; the chief keeps its own states).
 
-    With `python_random`, every worker also takes the chief's Python `random` state (in the
-    same broadcast): Keras shuffles a PyDataset's batch order with `random.shuffle`, so workers
-    then draw the chief's order, which is the order one process of plain Keras seeded alike
-    draws.
+    Keras shuffles a PyDataset's batch order with `random.shuffle`, shuffled arrays with torch's
+    `RandomSampler` / `randperm`, and a torch `DataLoader`'s `RandomSampler` draws its seed from
+    torch's default generator when its iterator starts: workers then draw the chief's order,
+    which is the order one process of plain Keras seeded alike draws.
     """
     import random
 
-    mine = (int(np.random.randint(0, 2**31 - 1)), random.getstate() if python_random else None) \
-        if backend.is_chief else None
-    seed, python_state = backend.broadcast_object(mine)
-    if python_state is not None and not backend.is_chief:
+    import torch
+
+    mine = (random.getstate() if python_random else None,
+            torch.get_rng_state() if torch_random else None) if backend.is_chief else None
+    python_state, torch_state = backend.broadcast_object(mine)
+    if backend.is_chief:
+        return
+    if python_state is not None:
         random.setstate(python_state)
-    return int(seed)
+    if torch_state is not None:
+        torch.set_rng_state(torch_state)
 
 
-def _make_sharded_arrays(backend, arrays, global_batch_size, shuffle, seed):
+def _shuffling_loader(data) -> bool:
+    """True for a torch `DataLoader` whose sampler shuffles (draws from torch's global RNG)."""
+    try:
+        from torch.utils.data import DataLoader, RandomSampler
+    except ImportError:  # pragma: no cover - torch is always there on this backend
+        return False
+    if not isinstance(data, DataLoader):
+        return False
+    batch_sampler = getattr(data, "batch_sampler", None)
+    return isinstance(getattr(data, "sampler", None), RandomSampler) or isinstance(
+        getattr(batch_sampler, "sampler", None), RandomSampler)
+
+
+def _make_shuffled_arrays(backend, arrays, global_batch_size, shuffle):
+    """Keras' own array loader at the global batch size (its shuffle draws from torch's global
+    RNG, as plain Keras does), each global batch sliced to this worker's rows."""
+    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
+
+    x, y, sample_weight = arrays
+    adapter = ArrayDataAdapter(x, y, sample_weight, batch_size=global_batch_size, shuffle=shuffle)
+    return _sliced_loader(backend, adapter.get_torch_dataloader(), global_batch_size)
+
+
+def _make_sharded_arrays(backend, arrays, global_batch_size):
     base = _keras_pydataset()
 
     class ShardedArrays(base, Sharded):
-        """This worker's rows of each global batch of in-memory arrays, reshuffled each epoch."""
+        """This worker's rows of each global batch of in-memory arrays, in order."""
 
         def __init__(self):
             super().__init__()
             self.arrays = arrays
             self.num_rows = _num_rows(arrays)
-            self.epoch = 0
-            self._plan()
-
-        def _plan(self):
-            order = None
-            if shuffle:
-                order = np.random.default_rng([seed, self.epoch]).permutation(self.num_rows)
             self.steps = worker_row_indices(self.num_rows, global_batch_size, backend.num_workers,
-                                            backend.worker_index, order)
+                                            backend.worker_index)
 
         def __len__(self):
             return math.ceil(self.num_rows / global_batch_size)
@@ -120,10 +147,6 @@ def _make_sharded_arrays(backend, arrays, global_batch_size, shuffle, seed):
             while picked and picked[-1] is None:
                 picked = picked[:-1]
             return tuple(picked)
-
-        def on_epoch_end(self):
-            self.epoch += 1
-            self._plan()
 
     return ShardedArrays()
 
@@ -175,40 +198,54 @@ def _shard_tf_dataset(backend, dataset):
     policy = dataset.options().experimental_distribute.auto_shard_policy
     if policy == tf.data.experimental.AutoShardPolicy.OFF or backend.num_workers == 1:
         return dataset
-    global_batch_size = _num_rows(next(iter(dataset)))
-    start, stop = replica_slices(global_batch_size, backend.num_workers)[backend.worker_index]
+    # The global batch size is the first batch's rows. It is read while training reads the
+    # batches (the state of a `scan`), never by iterating the dataset here: a new iterator of a
+    # dataset shuffled with `reshuffle_each_iteration` advances its order, and training would
+    # start one shuffle later than plain Keras.
+    num_workers, worker_index = backend.num_workers, backend.worker_index
+    static = tf.nest.flatten(dataset.element_spec)[0].shape
+    known = static.rank and static[0] is not None
+    initial = tf.constant(int(static[0]) if known else 0, dtype=tf.int64)
 
-    def keep_slice(*batch):
-        structure = batch if len(batch) > 1 else batch[0]
-        rows = tf.shape(tf.nest.flatten(structure)[0])[0]
+    def keep_slice(size, batch):
+        rows = tf.cast(tf.shape(tf.nest.flatten(batch)[0])[0], tf.int64)
+        size = tf.where(size > 0, size, rows)
+        # replica_slices: the first `size % num_workers` workers take one row more.
+        base, extra = size // num_workers, size % num_workers
+        start = worker_index * base + tf.minimum(tf.constant(worker_index, tf.int64), extra)
+        stop = start + base + tf.cast(worker_index < extra, tf.int64)
         low, high = tf.minimum(start, rows), tf.minimum(stop, rows)
-        return tf.nest.map_structure(lambda t: t[low:high], structure)
+        return size, tf.nest.map_structure(lambda t: t[low:high], batch)
 
-    return dataset.map(keep_slice, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return dataset.scan(initial, keep_slice)
 
 
-def _shard_torch_loader(backend, loader, seed):
+def _sliced_loader(backend, loader, global_batch_size):
+    """A loader of this worker's slice of every global batch of `loader`.
+
+    `loader` (a shuffling one draws from torch's global RNG, as in plain torch) is iterated
+    exactly as plain Keras iterates it: its iterator is made when the wrapper's is (a
+    `DataLoader` iterator draws its base seed from torch's global RNG when made, even one Keras
+    makes at an epoch's end and never reads), its sampler draws at the first batch. The wrapping
+    loader draws its own base seed from a private generator: nothing from torch's global RNG.
+    """
     import torch
-    from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+    from torch.utils.data import DataLoader, IterableDataset
 
-    sampler = getattr(loader, "sampler", None)
-    if isinstance(sampler, RandomSampler):
-        # Every worker must draw the same global order: seed the sampler from the chief.
-        sampler.generator = torch.Generator().manual_seed(seed)
-    global_batch_size = loader.batch_size
+    def sliced(batches):
+        size = global_batch_size
+        for batch in batches:
+            size = size or _num_rows(batch)
+            yield _slice_rows(batch, size, backend)
 
     class SlicedBatches(IterableDataset, Sharded):
         def __iter__(self):
-            size = global_batch_size
-            for batch in loader:
-                size = size or _num_rows(batch)
-                yield _slice_rows(batch, size, backend)
+            return sliced(iter(loader))
 
         def __len__(self):
             return len(loader)
 
-    sharded = DataLoader(SlicedBatches(), batch_size=None)
-    return sharded
+    return DataLoader(SlicedBatches(), batch_size=None, generator=torch.Generator())
 
 
 def _shard_iterable(backend, iterable):
@@ -222,7 +259,7 @@ def _shard_iterable(backend, iterable):
 
 
 def shard_global_batches(data: Any, backend: TorchBackend, options: Any = None,
-                         seed: int | None = None) -> Any:
+                         aligned: bool = False) -> Any:
     """This worker's shard of a dataset batched at the global batch size.
 
     Example:
@@ -230,11 +267,14 @@ def shard_global_batches(data: Any, backend: TorchBackend, options: Any = None,
     ```python
     local = strategy.experimental_distribute_dataset(global_batches)   # any backend input
     ```
+
+    `aligned`: the workers' random states are already the chief's (`fit`/`evaluate` entry);
+    otherwise a shuffling torch `DataLoader` takes the chief's torch RNG state here.
     """
     if isinstance(data, Sharded) or data is None:
         return data
     policy = getattr(options, "auto_shard_policy", None) if options is not None else None
-    if policy == AutoShardPolicy.OFF or backend.num_workers == 1 and seed is None:
+    if policy == AutoShardPolicy.OFF or backend.num_workers == 1 and not aligned:
         return data
     module = type(data).__module__
     if module.startswith("tensorflow") and hasattr(data, "element_spec"):
@@ -246,7 +286,9 @@ def shard_global_batches(data: Any, backend: TorchBackend, options: Any = None,
     except ImportError:  # pragma: no cover - torch is always there on this backend
         DataLoader = ()
     if isinstance(data, DataLoader):
-        return _shard_torch_loader(backend, data, shared_seed(backend) if seed is None else seed)
+        if not aligned and _shuffling_loader(data):
+            align_random_states(backend, torch_random=True)
+        return _sliced_loader(backend, data, data.batch_size)
     if hasattr(data, "__iter__") or hasattr(data, "__next__"):
         return _shard_iterable(backend, data)
     raise TypeError(
@@ -273,12 +315,13 @@ def _bind(method, args, kwargs) -> dict:
     return values
 
 
-def _shard_arrays_or_data(backend, x, y, sample_weight, batch_size, shuffle, seed):
+def _shard_arrays_or_data(backend, x, y, sample_weight, batch_size, shuffle):
     if _is_arrays(x, y, sample_weight):
         arrays = _to_numpy((x, y, sample_weight))
-        return _make_sharded_arrays(backend, arrays, batch_size or DEFAULT_BATCH_SIZE,
-                                    bool(shuffle), seed)
-    return shard_global_batches(x, backend, seed=seed)
+        if shuffle:
+            return _make_shuffled_arrays(backend, arrays, batch_size or DEFAULT_BATCH_SIZE, shuffle)
+        return _make_sharded_arrays(backend, arrays, batch_size or DEFAULT_BATCH_SIZE)
+    return shard_global_batches(x, backend, aligned=True)
 
 
 def shard_fit_inputs(backend: TorchBackend, args: tuple, kwargs: dict) -> dict:
@@ -291,8 +334,14 @@ def shard_fit_inputs(backend: TorchBackend, args: tuple, kwargs: dict) -> dict:
     if isinstance(x, Sharded):
         return values
     # Keras shuffles a PyDataset's batches itself, with Python's `random`: keep its shuffle.
+    # Shuffled arrays and a shuffling DataLoader draw from torch's global RNG. Every worker
+    # takes the chief's states (one broadcast, always made), so all draw the chief's order.
     shuffles_batches = bool(values["shuffle"]) and isinstance(x, _keras_pydataset())
-    seed = shared_seed(backend, python_random=shuffles_batches)
+    validation = values["validation_data"]
+    align_random_states(
+        backend, python_random=shuffles_batches,
+        torch_random=bool(values["shuffle"]) and _is_arrays(x, y, sample_weight)
+        or _shuffling_loader(x) or _shuffling_loader(validation))
     check_same_rows(backend, x, "model.fit()", compare_first_batch=True)
     if _is_arrays(x, y, sample_weight):
         x, y, sample_weight = _to_numpy((x, y, sample_weight))
@@ -306,7 +355,7 @@ def shard_fit_inputs(backend: TorchBackend, args: tuple, kwargs: dict) -> dict:
         raise ValueError("keras_mwms: class_weight is supported with array inputs only; "
                          "add sample weights to your dataset instead.")
     values["x"] = _shard_arrays_or_data(backend, x, y, sample_weight, values["batch_size"],
-                                        values["shuffle"], seed)
+                                        values["shuffle"])
     validation = values["validation_data"]
     if validation is not None and not isinstance(validation, Sharded):
         if isinstance(validation, (tuple, list)):
@@ -316,7 +365,7 @@ def shard_fit_inputs(backend: TorchBackend, args: tuple, kwargs: dict) -> dict:
             val_x, val_y, val_sample_weight = validation, None, None
         values["validation_data"] = _shard_arrays_or_data(
             backend, val_x, val_y, val_sample_weight,
-            values["validation_batch_size"] or values["batch_size"], False, seed)
+            values["validation_batch_size"] or values["batch_size"], False)
     values.update(y=None, sample_weight=None, class_weight=None, batch_size=None,
                   validation_split=0.0, validation_batch_size=None, shuffle=shuffles_batches)
     return values
@@ -331,8 +380,10 @@ def shard_evaluate_inputs(backend: TorchBackend, args: tuple, kwargs: dict) -> d
     if isinstance(x, Sharded):
         return values
     check_same_rows(backend, x, "model.evaluate()")
+    if _shuffling_loader(x):
+        align_random_states(backend, torch_random=True)
     values["x"] = _shard_arrays_or_data(backend, x, values["y"], values["sample_weight"],
-                                        values["batch_size"], False, seed=0)
+                                        values["batch_size"], False)
     values.update(y=None, sample_weight=None, batch_size=None)
     return values
 
