@@ -204,3 +204,13 @@ def test_known_log_differences_are_warned_and_small(runs):
             difference = float(np.max(np.abs(np.subtract(got[key], expected[key]))))
             print(f"{backend} {variant}: logged {key} differs from one process by {difference:.3g}")
             assert difference <= 0.05, (key, got[key], expected[key])
+
+
+@pytest.mark.slow
+def test_racy_inputs_are_warned(runs):
+    """Where the one-process comparison is known racy (RACY_WITH_ONE_PROCESS), every worker says so."""
+    for backend, variant in RACY_WITH_ONE_PROCESS:
+        if backend == runs.backend:
+            for worker in range(2):
+                warnings = runs.result(variant, worker)["warnings"]
+                assert any("Python generator" in text for text in warnings), warnings

@@ -393,6 +393,13 @@ def _prepare_call(model, method: str, bound: inspect.BoundArguments) -> None:
         _check_same_rows(backend, x, f"model.{method}()")
     if method == "fit":
         _warn_if_first_batches_differ(backend, x, f"model.{method}()")
+        if inspect.isgenerator(x):
+            warnings.warn(
+                "keras_mwms (TensorFlow): model.fit() on a Python generator with several workers "
+                "can intermittently lose batches (TF's prefetching iterators share the one "
+                "generator; seen in a few runs of the test suite, never in the row-count "
+                "checks). Wrap the data in a keras.utils.PyDataset or a tf.data.Dataset for "
+                "exact results.", stacklevel=4)
     if model.jit_compile and backend._gpu_count == 0:
         _compile_without_xla(model)
     if getattr(model, "steps_per_execution", 1) > 1:
