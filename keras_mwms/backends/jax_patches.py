@@ -359,24 +359,6 @@ def _check_same_rows(backend, x, what: str) -> None:
         raise error
 
 
-def _warn_if_first_batches_differ(backend, x, what: str) -> None:
-    """Warns on every worker when the workers' tf.data inputs start with different global
-    batches (e.g. shuffled with a different seed on each): nothing keras_mwms can fix, and
-    silent otherwise (rows used twice and never)."""
-    import warnings
-
-    from keras_mwms.backends import jax_data
-    from keras_mwms.data import different_first_batches_warning, first_batch_digest
-
-    if backend.num_workers == 1:
-        return
-    digest = None if jax_data.shard_policy_is_off(x) else first_batch_digest(x)
-    digests = [backend.broadcast_object(digest, root=root) for root in range(backend.num_workers)]
-    message = different_first_batches_warning(digests, what)
-    if message is not None:
-        warnings.warn(message, stacklevel=4)
-
-
 def _quiet_unless_chief(backend, verbose):
     return verbose if backend.is_chief else 0
 
@@ -422,7 +404,10 @@ def _fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
     if facade is not None:
         facade.check_tf_config_unchanged()
     _check_same_rows(backend, x, "model.fit()")
-    _warn_if_first_batches_differ(backend, x, "model.fit()")
+    from keras_mwms.backends import jax_data
+    from keras_mwms.data import warn_if_first_batches_differ
+
+    warn_if_first_batches_differ(backend, x, "model.fit()", jax_data.shard_policy_is_off(x), stacklevel=4)
     if validation_split and validation_data is None:
         (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
             (x, y, sample_weight), validation_split=validation_split)

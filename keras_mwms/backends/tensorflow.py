@@ -392,7 +392,9 @@ def _prepare_call(model, method: str, bound: inspect.BoundArguments) -> None:
     if method in ("fit", "evaluate"):
         _check_same_rows(backend, x, f"model.{method}()")
     if method == "fit":
-        _warn_if_first_batches_differ(backend, x, f"model.{method}()")
+        from keras_mwms.data import warn_if_first_batches_differ
+
+        warn_if_first_batches_differ(backend, x, f"model.{method}()", _shard_policy_is_off(x), stacklevel=5)
         if inspect.isgenerator(x):
             warnings.warn(
                 "keras_mwms (TensorFlow): model.fit() on a Python generator with several workers "
@@ -444,20 +446,6 @@ def _check_same_rows(backend: TensorFlowBackend, x, what: str) -> None:
     error = uneven_rows_error(everyone, backend.worker_index, what)
     if error is not None:
         raise error
-
-
-def _warn_if_first_batches_differ(backend: Backend, x, what: str) -> None:
-    """Warns on every worker when the workers' tf.data inputs start with different batches."""
-    from keras_mwms.data import different_first_batches_warning, first_batch_digest
-
-    # AutoShardPolicy.OFF: each worker's dataset is its own data, different by design.
-    digest = None if _shard_policy_is_off(x) else first_batch_digest(x)
-    digests = [backend.broadcast_object(digest, root=root) for root in range(backend.num_workers)]
-    if all(value is None for value in digests):
-        return
-    message = different_first_batches_warning(digests, what)
-    if message is not None:
-        warnings.warn(message, stacklevel=5)
 
 
 def _align_shuffle_seed(backend: TensorFlowBackend) -> None:
