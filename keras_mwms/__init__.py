@@ -25,6 +25,7 @@ from keras_mwms.cluster import (  # noqa: E402
 )
 from keras_mwms.communication import CommunicationImplementation, CommunicationOptions  # noqa: E402
 from keras_mwms.data import AutoShardPolicy, InputContext  # noqa: E402
+from keras_mwms.errors import WorkerLostError  # noqa: E402
 from keras_mwms.rendezvous import RendezvousError  # noqa: E402
 from keras_mwms.strategy import MultiWorkerMirroredStrategy  # noqa: E402
 
@@ -49,6 +50,7 @@ __all__ = [
     "SimpleClusterResolver",
     "TFConfigClusterResolver",
     "TFConfigError",
+    "WorkerLostError",
     "__version__",
     "callbacks",
 ]

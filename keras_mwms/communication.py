@@ -19,6 +19,12 @@ from dataclasses import dataclass
 from keras_mwms.rendezvous import DEFAULT_TIMEOUT_SECONDS
 
 RENDEZVOUS_TIMEOUT_ENV = "KERAS_MWMS_RENDEZVOUS_TIMEOUT"
+JAX_PATH_ENV = "KERAS_MWMS_JAX_PATH"
+TORCH_OVERLAP_ENV = "KERAS_MWMS_TORCH_OVERLAP"
+TORCH_FUSED_ADAM_ENV = "KERAS_MWMS_TORCH_FUSED_ADAM"
+JAX_PATHS = ("auto", "flat", "dataparallel")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 
 class CommunicationImplementation(enum.Enum):
@@ -70,12 +76,27 @@ class CommunicationOptions:
         implementation: a `CommunicationImplementation` or its name (`"AUTO"`, `"RING"`, `"NCCL"`).
         rendezvous_timeout_seconds: how long to wait for every worker to show up at start
             (default: `KERAS_MWMS_RENDEZVOUS_TIMEOUT`, else 120 s).
+        lost_worker_exit_seconds: after a `keras_mwms.WorkerLostError`, the process ends at
+            most this long later even if the backend's teardown waits for the dead peer
+            (default 30 s).
+        jax_path: JAX training path, `"auto"` (the fast flat step where it gives one process's
+            result, else Keras' DataParallel), `"flat"` or `"dataparallel"`. The environment
+            variable `KERAS_MWMS_JAX_PATH` overrides it.
+        torch_overlap: torch: all-reduce gradient buckets while the backward pass still runs
+            (default True); `KERAS_MWMS_TORCH_OVERLAP=0` overrides it.
+        torch_fused_adam: torch: Adam/AdamW through torch's fused kernel (faster, differs from
+            one Keras process in the last bits; default False); `KERAS_MWMS_TORCH_FUSED_ADAM=1`
+            overrides it.
     """
 
     bytes_per_pack: int = 0
     timeout_seconds: float | None = None
     implementation: CommunicationImplementation = CommunicationImplementation.AUTO
     rendezvous_timeout_seconds: float | None = None
+    lost_worker_exit_seconds: float = 30.0
+    jax_path: str = "auto"
+    torch_overlap: bool = True
+    torch_fused_adam: bool = False
 
     def __post_init__(self) -> None:
         implementation = self.implementation
@@ -98,11 +119,33 @@ class CommunicationOptions:
         object.__setattr__(self, "implementation", implementation)
         if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
             raise ValueError(f"bytes_per_pack must be a non-negative int, got {self.bytes_per_pack!r}")
-        for name in ("timeout_seconds", "rendezvous_timeout_seconds"):
+        for name in ("timeout_seconds", "rendezvous_timeout_seconds", "lost_worker_exit_seconds"):
             value = getattr(self, name)
             if value is not None:
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                     raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
                 object.__setattr__(self, name, float(value))
+        if self.lost_worker_exit_seconds is None:
+            raise ValueError("lost_worker_exit_seconds must be a positive number of seconds, got None")
         if self.rendezvous_timeout_seconds is None:
             object.__setattr__(self, "rendezvous_timeout_seconds", _default_rendezvous_timeout())
+        self._apply_switches()
+
+    def _apply_switches(self) -> None:
+        """Validates the behaviour switches; their environment variables override them."""
+        path = os.environ.get(JAX_PATH_ENV) or self.jax_path
+        if str(path).lower() not in JAX_PATHS:
+            source = JAX_PATH_ENV if os.environ.get(JAX_PATH_ENV) else "jax_path"
+            raise ValueError(f"{source}={path!r} is not a JAX training path; use one of "
+                             f"{', '.join(JAX_PATHS)}.")
+        object.__setattr__(self, "jax_path", str(path).lower())
+        for name, env in (("torch_overlap", TORCH_OVERLAP_ENV), ("torch_fused_adam", TORCH_FUSED_ADAM_ENV)):
+            text = os.environ.get(env, "").strip().lower()
+            if text in _TRUE:
+                object.__setattr__(self, name, True)
+            elif text in _FALSE:
+                object.__setattr__(self, name, False)
+            elif text:
+                raise ValueError(f"{env}={text!r} is not a switch; set it to 1 or 0.")
+            elif not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

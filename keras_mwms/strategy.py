@@ -18,14 +18,12 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from keras_mwms import __version__, devices
-from keras_mwms.backends import backend_class
+from keras_mwms import __version__, active, devices
+from keras_mwms.backends import backend_class, resume
 from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver, TFConfigClusterResolver
 from keras_mwms.communication import CommunicationOptions
 from keras_mwms.compat_v1 import CompatV1Methods
 from keras_mwms.rendezvous import Rendezvous
-
-_active_strategy: MultiWorkerMirroredStrategy | None = None
 
 
 def build_fingerprint(resolver: ClusterResolver, options: CommunicationOptions,
@@ -79,6 +77,10 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
 
     Launch it locally with `python -m keras_mwms.launch --workers 2 train.py`.
 
+    `strategy.close()` (or leaving a `with MultiWorkerMirroredStrategy() as strategy:` block)
+    restores every Keras internal keras_mwms patched and leaves the backend's process group or
+    distributed runtime; without it, that happens when the process exits.
+
     Args:
         communication_options: a `CommunicationOptions` (engine, collective timeout, packing,
             rendezvous timeout). Default: AUTO.
@@ -88,7 +90,6 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
 
     def __init__(self, communication_options: CommunicationOptions | None = None,
                  cluster_resolver: ClusterResolver | None = None):
-        global _active_strategy
         self._resolver = cluster_resolver if cluster_resolver is not None else TFConfigClusterResolver()
         self._options = communication_options if communication_options is not None else CommunicationOptions()
         if not isinstance(self._options, CommunicationOptions):
@@ -106,7 +107,7 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
             )
         self._backend_name = devices.backend_name()
         backend_type = backend_class(self._backend_name)
-        self._backend = backend_type(self._resolver, self._options)
+        self._backend = backend_type(self._resolver, self._options, self._tf_config_at_creation)
         if self._resolver.num_workers == 1:
             warnings.warn(
                 "keras_mwms.MultiWorkerMirroredStrategy is running a single worker "
@@ -124,7 +125,30 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
             Rendezvous(self._resolver.worker_addresses, self._resolver.worker_index, fingerprint,
                        timeout=self._options.rendezvous_timeout_seconds, names=names).run()
         self._backend.join()
-        _active_strategy = self
+        self._backend.install_patches()
+        self._closed = False
+        active.activate(self, self._backend)
+
+    def close(self) -> None:
+        """Restores the Keras internals keras_mwms patched and leaves the collective engine.
+
+        Safe to call twice. After `close()` this strategy cannot train; create a new one.
+
+        Example: `with keras_mwms.MultiWorkerMirroredStrategy() as strategy: ...`.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        active.deactivate(self)
+        resume.PATCHES.uninstall()
+        self._backend.close()
+
+    def __enter__(self) -> MultiWorkerMirroredStrategy:
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
 
     # -- identity -------------------------------------------------------------------------
     @property
@@ -163,15 +187,7 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
 
     def check_tf_config_unchanged(self) -> None:
         """Warns when `TF_CONFIG` appeared or changed after the strategy was created."""
-        current = os.environ.get(TF_CONFIG_ENV, "")
-        if current != self._tf_config_at_creation:
-            state = "was set" if not self._tf_config_at_creation else "changed"
-            warnings.warn(
-                f"TF_CONFIG {state} after keras_mwms.MultiWorkerMirroredStrategy was created; this "
-                f"job still trains as {self.num_workers} worker(s) with the cluster it saw at "
-                "creation. Set TF_CONFIG before creating the strategy.",
-                stacklevel=3,
-            )
+        self._backend.check_tf_config_unchanged(stacklevel=3)
 
     # -- tf.distribute surface ------------------------------------------------------------
     def scope(self):
@@ -243,4 +259,4 @@ def get_strategy() -> MultiWorkerMirroredStrategy | None:
     >>> get_strategy() is None or isinstance(get_strategy(), MultiWorkerMirroredStrategy)
     True
     """
-    return _active_strategy
+    return active.active_strategy()

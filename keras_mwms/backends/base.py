@@ -1,9 +1,16 @@
-"""The interface every backend adapter implements, and helpers they share.
+"""The interface every backend adapter implements: an engine with a small collective port.
 
 The facade (`keras_mwms.strategy.MultiWorkerMirroredStrategy`) owns start-up order: it
-resolves the cluster, runs the rendezvous, then constructs the backend and calls `join()`.
-Everything after that — mirrored variables, gradient all-reduce, data sharding, global metrics,
-the tf.distribute-style methods — is the backend's job.
+resolves the cluster, runs the rendezvous, then constructs the backend (handing it what it
+needs: the resolver, the options, the TF_CONFIG it saw) and calls `join()`, which starts the
+engine and installs the backend's `PatchTable`. `close()` undoes both.
+
+The **collective port** — `all_reduce` (sum/min/max of NumPy values), `all_gather`,
+`broadcast_object`, `broadcast_arrays`, `agreed_seed`, `barrier` — is what the shared policy
+(`keras_mwms.backends.policy`) and the callbacks build on; a backend implements
+`all_reduce`, `broadcast_object` and `barrier`, the rest has portable defaults it may speed up.
+Everything else — mirrored variables, gradient all-reduce, data sharding, the
+tf.distribute-style methods — is the backend's own job.
 """
 
 from __future__ import annotations
@@ -11,53 +18,41 @@ from __future__ import annotations
 import abc
 import contextlib
 import os
+import random
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
-from keras_mwms.cluster import ClusterResolver
+import numpy as np
+
+from keras_mwms.backends import policy
+from keras_mwms.backends.patches import PatchTable
+from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver
 from keras_mwms.communication import CommunicationOptions
 
-TESTED_KERAS_VERSIONS = ("3.15.1",)
-
-
-def require_tested_keras(patch_name: str) -> None:
-    """Fails loudly before applying a private-Keras patch to an untested Keras release.
-
-    Set `KERAS_MWMS_ALLOW_UNTESTED_KERAS=1` to try anyway (at your own risk).
-
-    Example:
-
-    >>> require_tested_keras("example")   # passes on the tested Keras
-    """
-    import keras
-
-    if keras.__version__ in TESTED_KERAS_VERSIONS:
-        return
-    if os.environ.get("KERAS_MWMS_ALLOW_UNTESTED_KERAS") == "1":
-        warnings.warn(f"keras_mwms patch {patch_name!r} applied to untested Keras {keras.__version__}.",
-                      stacklevel=2)
-        return
-    raise RuntimeError(
-        f"keras_mwms patch {patch_name!r} patches private Keras internals and is tested only with "
-        f"Keras {', '.join(TESTED_KERAS_VERSIONS)}; this is Keras {keras.__version__}. Install a "
-        "tested Keras (pip install keras==3.15.1) or set KERAS_MWMS_ALLOW_UNTESTED_KERAS=1 to try."
-    )
+REDUCE_OPS = ("sum", "min", "max")
 
 
 class Backend(abc.ABC):
-    """One backend's engine: join, scope, collectives, data distribution, leave.
+    """One backend's engine: join, scope, collective port, data distribution, leave.
+
+    A new backend subclasses this, implements the abstract methods and lists its Keras
+    patches as a `PatchTable` in `patch_table()`; see ARCHITECTURE.md.
 
     Args:
         resolver: the validated cluster and this task.
         options: the user's `CommunicationOptions`.
+        tf_config_at_creation: the `TF_CONFIG` text the strategy saw when it was created.
     """
 
     name: str = ""
 
-    def __init__(self, resolver: ClusterResolver, options: CommunicationOptions):
+    def __init__(self, resolver: ClusterResolver, options: CommunicationOptions,
+                 tf_config_at_creation: str = ""):
         self.resolver = resolver
         self.options = options
+        self.tf_config_at_creation = tf_config_at_creation
+        self._patches: PatchTable | None = None
 
     # -- identity -------------------------------------------------------------------------
     @property
@@ -88,6 +83,38 @@ class Backend(abc.ABC):
 
     def leave(self) -> None:  # noqa: B027 - optional hook, most engines need no teardown
         """Tears the engine down; safe to call twice."""
+
+    def patch_table(self) -> PatchTable:
+        """This backend's private-Keras patches (none by default)."""
+        return PatchTable(self.name or type(self).__name__, [])
+
+    def install_patches(self) -> None:
+        """Installs `patch_table()` once (checked row by row before anything changes)."""
+        if self._patches is None:
+            self._patches = self.patch_table()
+        self._patches.install()
+
+    def uninstall_patches(self) -> None:
+        """Restores every Keras original this backend patched."""
+        if self._patches is not None:
+            self._patches.uninstall()
+
+    def close(self) -> None:
+        """Uninstalls the patches and leaves the engine; safe to call twice."""
+        self.uninstall_patches()
+        self.leave()
+
+    def check_tf_config_unchanged(self, stacklevel: int = 3) -> None:
+        """Warns when `TF_CONFIG` appeared or changed after the strategy was created."""
+        current = os.environ.get(TF_CONFIG_ENV, "")
+        if current != self.tf_config_at_creation:
+            state = "was set" if not self.tf_config_at_creation else "changed"
+            warnings.warn(
+                f"TF_CONFIG {state} after keras_mwms.MultiWorkerMirroredStrategy was created; this "
+                f"job still trains as {self.num_workers} worker(s) with the cluster it saw at "
+                "creation. Set TF_CONFIG before creating the strategy.",
+                stacklevel=stacklevel + 1,
+            )
 
     # -- tf.distribute-style surface ------------------------------------------------------
     @property
@@ -127,7 +154,7 @@ class Backend(abc.ABC):
             "KERAS_BACKEND=tensorflow."
         )
 
-    # -- primitives for callbacks ---------------------------------------------------------
+    # -- collective port ------------------------------------------------------------------
     @abc.abstractmethod
     def barrier(self, name: str = "barrier") -> None:
         """Blocks until every worker reached the same barrier (bounded by the collective timeout)."""
@@ -135,3 +162,36 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def broadcast_object(self, value: Any, root: int = 0) -> Any:
         """Returns worker `root`'s picklable `value` on every worker."""
+
+    @abc.abstractmethod
+    def all_reduce(self, value: np.ndarray, op: str = "sum") -> np.ndarray:
+        """Element-wise sum, min or max of a NumPy array over all workers (same dtype and shape)."""
+
+    def all_reduce_sum(self, value: np.ndarray) -> np.ndarray:
+        """`all_reduce(value, "sum")`."""
+        return self.all_reduce(value, "sum")
+
+    def all_gather(self, value: np.ndarray) -> np.ndarray:
+        """Every worker's `value` stacked in worker order: shape `(num_workers, *value.shape)`.
+
+        The default sums a zero-padded stack (exact: adding zeros changes no bits).
+        """
+        value = np.asarray(value)
+        stacked = np.zeros((self.num_workers, *value.shape), value.dtype)
+        stacked[self.worker_index] = value
+        return np.asarray(self.all_reduce(stacked, "sum")) if self.num_workers > 1 else stacked
+
+    def broadcast_arrays(self, values: list[np.ndarray], root: int = 0) -> list[np.ndarray]:
+        """Worker `root`'s arrays on every worker."""
+        return [np.asarray(value) for value in self.broadcast_object(
+            [np.asarray(value) for value in values], root=root)]
+
+    def agreed_seed(self, own: int | None = None) -> int:
+        """One seed for every worker: the chief's `own`, or one the chief draws when it has none."""
+        chosen = own if own is not None else random.SystemRandom().randrange(2**31 - 1)
+        return int(self.broadcast_object(chosen))
+
+    def worker_lost(self, where: str, error: BaseException, lost_ranks: list[int]) -> NoReturn:
+        """Raises `keras_mwms.WorkerLostError` in the one format, with the bounded exit armed."""
+        policy.raise_worker_lost(self, where, error, lost_ranks)
+        raise AssertionError("unreachable")

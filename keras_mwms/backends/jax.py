@@ -146,8 +146,8 @@ class JaxBackend(Backend):
 
     name = "jax"
 
-    def __init__(self, resolver, options):
-        super().__init__(resolver, options)
+    def __init__(self, resolver, options, tf_config_at_creation: str = ""):
+        super().__init__(resolver, options, tf_config_at_creation)
         self._engine = resolve_engine(options.implementation, gpu_possible())
         self._joined = False
         self._distribution = None
@@ -573,7 +573,14 @@ class JaxBackend(Backend):
             total = total + part
         return total
 
-    def broadcast_arrays(self, values: list[np.ndarray]) -> list[np.ndarray]:
+    def all_reduce(self, value: np.ndarray, op: str = "sum") -> np.ndarray:
+        """Sum, min or max of a host array over workers, in worker order (identical bits)."""
+        if op == "sum":
+            return self.all_reduce_sum(value)
+        gathered = self.all_gather(value)
+        return gathered.min(axis=0) if op == "min" else gathered.max(axis=0)
+
+    def broadcast_arrays(self, values: list[np.ndarray], root: int = 0) -> list[np.ndarray]:
         """The chief's numpy arrays on every worker, bit for bit, in one XLA collective.
 
         The bytes travel padded to a power of two, so a model's variables compile a handful of
@@ -581,6 +588,8 @@ class JaxBackend(Backend):
         """
         if self.num_workers == 1:
             return [np.asarray(value) for value in values]
+        if root != 0:
+            return super().broadcast_arrays(values, root)
         try:
             return self._collectives.broadcast([np.asarray(value) for value in values])
         except Exception as error:  # noqa: BLE001

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from keras_mwms.backends import jax_flat
-from keras_mwms.backends.base import require_tested_keras
+from keras_mwms.backends.patches import require_tested_keras
 
 _state: dict[str, Any] = {"backend": None, "originals": {}}
 _TRAINER_METHODS = ("fit", "evaluate", "predict", "make_predict_function", "make_train_function",

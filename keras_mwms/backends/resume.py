@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import threading
 
-from keras_mwms.backends.base import require_tested_keras
+from keras_mwms.backends.patches import Patch, PatchTable
 
 _pending = threading.local()
-_installed = False
 
 
 def skip_steps_in_next_training_epoch(steps: int) -> None:
@@ -31,7 +30,7 @@ def skip_steps_in_next_training_epoch(steps: int) -> None:
     if steps < 0:
         raise ValueError(f"steps to skip must be >= 0, got {steps}")
     if steps:
-        install()
+        PATCHES.install()
     _pending.steps = steps
 
 
@@ -41,24 +40,23 @@ def _take_pending() -> int:
     return steps
 
 
-def install() -> None:
-    """Applies the `EpochIterator._enumerate_iterator` patch once (tested Keras only)."""
-    global _installed
-    if _installed:
-        return
-    require_tested_keras("resume_mid_epoch")
-    from keras.src.trainers.epoch_iterator import EpochIterator
-
-    original = EpochIterator._enumerate_iterator
-
-    def _enumerate_iterator(self):
+def _skipping_enumerate_iterator(original):
+    def _enumerate_iterator(self, *args, **kwargs):
         skip = _take_pending()
-        for begin_step, end_step, iterator in original(self):
+        for begin_step, end_step, iterator in original(self, *args, **kwargs):
             if begin_step < skip:
                 for _ in range(self.steps_per_execution):
                     next(iterator)
                 continue
             yield begin_step, end_step, iterator
 
-    EpochIterator._enumerate_iterator = _enumerate_iterator
-    _installed = True
+    return _enumerate_iterator
+
+
+PATCHES = PatchTable("resume", [Patch(
+    name="resume-mid-epoch",
+    target="keras.src.trainers.epoch_iterator:EpochIterator._enumerate_iterator",
+    replacement=_skipping_enumerate_iterator,
+    works_around="Keras' BackupAndRestore records the batch but restores only the epoch, and "
+                 "EpochIterator has no hook to skip trained steps",
+)])

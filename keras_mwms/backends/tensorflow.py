@@ -45,7 +45,8 @@ from typing import Any
 import numpy as np
 
 from keras_mwms.backends import tensorflow_gradients
-from keras_mwms.backends.base import Backend, require_tested_keras
+from keras_mwms.backends.base import Backend
+from keras_mwms.backends.patches import require_tested_keras
 from keras_mwms.cluster import ClusterResolver
 from keras_mwms.communication import CommunicationImplementation, CommunicationOptions
 
@@ -130,8 +131,9 @@ class TensorFlowBackend(Backend):
 
     name = "tensorflow"
 
-    def __init__(self, resolver: ClusterResolver, options: CommunicationOptions):
-        super().__init__(resolver, options)
+    def __init__(self, resolver: ClusterResolver, options: CommunicationOptions,
+                 tf_config_at_creation: str = ""):
+        super().__init__(resolver, options, tf_config_at_creation)
         from keras_mwms import devices
 
         self._gpu_count = devices.local_gpu_count()
@@ -251,6 +253,14 @@ class TensorFlowBackend(Backend):
     def all_reduce_sum(self, array: np.ndarray) -> np.ndarray:
         """SUM of every worker's `array` (numpy in, numpy out)."""
         return self._all_reduce_sum(np.asarray(array))
+
+    def all_reduce(self, value: np.ndarray, op: str = "sum") -> np.ndarray:
+        """Sum, min or max of a host array over workers (min/max from one all-gather)."""
+        value = np.asarray(value)
+        if op == "sum":
+            return self.all_reduce_sum(value)
+        gathered = self.all_gather(value)
+        return gathered.min(axis=0) if op == "min" else gathered.max(axis=0)
 
     def update_config_proto(self, config_proto: Any) -> Any:
         """compat.v1: a copy of `config_proto` with this strategy's collective settings."""

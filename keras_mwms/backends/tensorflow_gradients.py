@@ -176,7 +176,7 @@ def install() -> None:
     from keras.src.backend.tensorflow import optimizer as tensorflow_optimizer
     from keras.src.losses import loss as loss_module
 
-    from keras_mwms.backends.base import require_tested_keras
+    from keras_mwms.backends.patches import require_tested_keras
 
     require_tested_keras("tensorflow.row_weighted_loss_scaling")
     loss_module.scale_loss_for_distribution = _scale_loss(loss_module.scale_loss_for_distribution)

@@ -150,8 +150,9 @@ class TorchBackend(Backend):
 
     name = "torch"
 
-    def __init__(self, resolver: ClusterResolver, options: CommunicationOptions):
-        super().__init__(resolver, options)
+    def __init__(self, resolver: ClusterResolver, options: CommunicationOptions,
+                 tf_config_at_creation: str = ""):
+        super().__init__(resolver, options, tf_config_at_creation)
         self.timeout_seconds = float(options.timeout_seconds or DEFAULT_COLLECTIVE_TIMEOUT_SECONDS)
         self.bucket_bytes = options.bytes_per_pack or DEFAULT_BUCKET_BYTES
         self._engine: str | None = None
@@ -506,6 +507,12 @@ class TorchBackend(Backend):
         # A tiny all-reduce rather than dist.barrier: it honours the group timeout on gloo and
         # fails the same way as every other collective.
         self.all_reduce_flat([torch.zeros(1)], what=f"barrier {name!r}")
+
+    def all_reduce(self, value: np.ndarray, op: str = "sum") -> np.ndarray:
+        """Sum, min or max of a host array over workers (one gloo/nccl all-reduce)."""
+        (reduced,) = self.all_reduce_flat([torch.as_tensor(np.array(value))], op=op,
+                                          what=f"all-reduce ({op})")
+        return reduced.numpy()
 
     def broadcast_object(self, value: Any, root: int = 0) -> Any:
         if not self.distributed:

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from keras_mwms.backends import torch_fused_adam
-from keras_mwms.backends.base import require_tested_keras
+from keras_mwms.backends.patches import require_tested_keras
 
 if TYPE_CHECKING:
     from keras_mwms.backends.torch import TorchBackend

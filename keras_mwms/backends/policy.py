@@ -1,0 +1,319 @@
+"""What is the same on every backend, written once: the policy behind the collective port.
+
+Each backend adapter supplies a small collective port (`Backend.all_reduce`, `all_gather`,
+`broadcast_object`, see `keras_mwms.backends.base`); everything decided *with* those
+collectives lives here and imports no ML framework:
+
+- **row checks** — every worker must pass arrays of one length (else different step counts
+  would pair collectives wrongly), and tf.data inputs should start with the same batch
+  (`check_same_rows`: one all-reduce carries both);
+- **partial-batch placement** — `keras_mwms.data.replica_slices` is the one contract: a global
+  batch is split in rank order, a short last batch fills replicas in order, so trailing
+  replicas may get zero rows; such a replica steps on `dummy_row`, a zero-weight row, so every
+  worker still joins every collective;
+- **metric reduction** — `metric_reduction` says how one metric state variable combines over
+  workers (sum, max, min, or the chief's), `GlobalMetricState` swaps the global state in while
+  logs are computed;
+- **lost workers** — `worker_label`, `lost_worker_message` and `raise_worker_lost`: one message
+  naming the lost workers, one bounded exit (`CommunicationOptions.lost_worker_exit_seconds`).
+
+Example:
+
+>>> lost_worker_message(0, ["worker 1 (worker:1 at h1:2222)"], "gradient all-reduce", "Connection reset")[:71]
+'keras_mwms worker 0: lost worker 1 (worker:1 at h1:2222) during gradien'
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from keras_mwms.errors import WorkerLostError
+
+# -- nests --------------------------------------------------------------------------------
+
+
+def map_nest(function: Callable[[Any], Any], nest: Any) -> Any:
+    """Applies `function` to every leaf of a tuple/list/dict nest (None stays None).
+
+    Example:
+
+    >>> map_nest(lambda leaf: leaf * 2, {"a": (1, 2), "b": [3], "c": None})
+    {'a': (2, 4), 'b': [6], 'c': None}
+    """
+    if nest is None:
+        return None
+    if isinstance(nest, dict):
+        return {key: map_nest(function, value) for key, value in nest.items()}
+    if isinstance(nest, (tuple, list)):
+        mapped = [map_nest(function, value) for value in nest]
+        return type(nest)(mapped) if not hasattr(nest, "_fields") else type(nest)(*mapped)
+    return function(nest)
+
+
+def rows_of(nest: Any) -> int:
+    """Rows (leading dimension) of the first array leaf of a nest; 0 when it has none.
+
+    Example:
+
+    >>> rows_of((np.zeros((3, 2)), np.zeros(3)))
+    3
+    """
+    found: list[int] = []
+
+    def visit(leaf):
+        shape = getattr(leaf, "shape", None)
+        if not found and shape is not None and len(shape) > 0:
+            found.append(int(shape[0]))
+        return leaf
+
+    map_nest(visit, nest)
+    return found[0] if found else 0
+
+
+def dummy_row(batch: Any, zeros: Callable[[tuple, Any], Any] = np.zeros) -> Any:
+    """One all-zero row shaped like `batch`, for a replica whose shard of a step is empty.
+
+    The row takes part in the step with zero weight, so the worker joins the step's collectives
+    and contributes nothing. `zeros(shape, dtype)` builds a leaf (NumPy by default; a backend
+    passes its own to stay on device).
+
+    Example:
+
+    >>> row = dummy_row((np.ones((0, 3), np.float32), np.ones((0,), np.int64)))
+    >>> [(leaf.shape, leaf.dtype.name) for leaf in row]
+    [((1, 3), 'float32'), ((1,), 'int64')]
+    """
+    def zero_row(leaf):
+        shape = getattr(leaf, "shape", None)
+        if shape is None or len(shape) == 0:
+            return leaf
+        return zeros((1, *tuple(shape[1:])), leaf.dtype)
+
+    return map_nest(zero_row, batch)
+
+
+# -- row checks ---------------------------------------------------------------------------
+
+
+def check_same_rows(port: Any, x: Any, what: str, digest: str | None = None,
+                    stacklevel: int = 4) -> None:
+    """Every worker must pass arrays of one length; checked with one all-reduce, before step 1.
+
+    Different lengths give workers different step counts, so their collectives would pair
+    wrongly or wait forever: every worker raises the same clear `ValueError` instead. `digest`
+    (`keras_mwms.data.first_batch_digest` of a tf.data input, None otherwise) rides in the
+    same all-reduce; when the workers' digests differ every worker warns that their datasets
+    start differently (a shuffle seeded differently per worker, or not at all).
+
+    `port` offers `num_workers`, `worker_index` and `all_reduce(array, op)`.
+
+    Example (one worker: nothing to compare, no collective):
+
+    >>> class One: num_workers, worker_index = 1, 0
+    >>> check_same_rows(One(), np.zeros((4, 2)), "x")
+    """
+    from keras_mwms.data import different_first_batches_warning, leading_rows, uneven_rows_error
+
+    if port.num_workers == 1:
+        return
+    rows = leading_rows(x)
+    # Per worker: rows + 1 (0: not arrays), then the 64-bit digest as two exact 32-bit halves
+    # (-1: none); float64 holds both exactly.
+    mine = np.zeros((port.num_workers, 3), np.float64)
+    mine[port.worker_index, 0] = 0 if rows is None else rows + 1
+    value = -1 if digest is None else int(digest, 16)
+    mine[port.worker_index, 1:] = [-1.0, -1.0] if value < 0 else [value >> 32, value & 0xFFFFFFFF]
+    everyone = np.asarray(port.all_reduce(mine, "sum"))
+    error = uneven_rows_error([int(count) - 1 if count else None for count in everyone[:, 0].tolist()],
+                              port.worker_index, what)
+    if error is not None:
+        raise error
+    digests = [None if high < 0 else f"{int(high):08x}{int(low):08x}"
+               for high, low in everyone[:, 1:].tolist()]
+    message = different_first_batches_warning(digests, what)
+    if message is not None:
+        warnings.warn(message, stacklevel=stacklevel)
+
+
+# -- metrics ------------------------------------------------------------------------------
+_MAX_NAMES = ("max", "maximum")
+_MIN_NAMES = ("min", "minimum")
+
+
+def metric_reduction(metric: Any, variable: Any) -> str:
+    """How a metric state variable combines across workers: "sum", "max", "min" or "first".
+
+    A metric may declare `keras_mwms_reductions = {"variable_name": "max"}`; otherwise
+    variables named max/min use max/min, `only_first_replica` ones come from the chief and
+    everything else (totals, counts, confusion matrices) is summed.
+
+    Example:
+
+    >>> from types import SimpleNamespace as Object
+    >>> metric = Object(keras_mwms_reductions={"peak": "max"})
+    >>> [metric_reduction(metric, Object(name=name)) for name in ("peak", "total", "min")]
+    ['max', 'sum', 'min']
+    """
+    declared = getattr(metric, "keras_mwms_reductions", {}) or {}
+    name = variable.name.rsplit("/", 1)[-1]
+    if name in declared:
+        return declared[name]
+    if name.lower() in _MAX_NAMES:
+        return "max"
+    if name.lower() in _MIN_NAMES:
+        return "min"
+    if getattr(variable, "aggregation", "sum") == "only_first_replica":
+        return "first"
+    return "sum"
+
+
+def reduce_gathered(parts: np.ndarray, op: str) -> np.ndarray:
+    """Combines the workers' rows of `parts` in worker order, so every worker gets the same bits.
+
+    Example:
+
+    >>> parts = np.array([[1.0, 5.0], [3.0, 2.0]])
+    >>> [reduce_gathered(parts, op).tolist() for op in ("sum", "max", "min", "first")]
+    [[4.0, 7.0], [3.0, 5.0], [1.0, 2.0], [1.0, 5.0]]
+    """
+    if op == "first":
+        return parts[0]
+    if op == "max":
+        return parts.max(axis=0)
+    if op == "min":
+        return parts.min(axis=0)
+    if op != "sum":
+        raise ValueError(f"Unknown metric reduction {op!r}; expected 'sum', 'max', 'min' or 'first'.")
+    value = parts[0].copy()
+    for part in parts[1:]:
+        value = value + part
+    return value
+
+
+def _read(variable: Any) -> np.ndarray:
+    value = variable.value
+    if hasattr(value, "detach"):
+        value = value.detach().cpu()
+    return np.array(value)
+
+
+class GlobalMetricState:
+    """Context: metric state variables hold the global (all-worker) state, then local again.
+
+    One all-gather per dtype of every metric state, reduced in worker order
+    (`reduce_gathered`), so every worker computes identical results. `port` offers
+    `all_gather(array) -> array of shape (num_workers, ...)`.
+
+    Example (one worker: the gather returns its own state):
+
+    >>> from types import SimpleNamespace as Object
+    >>> class Variable:
+    ...     def __init__(self, name, value): self.name, self.value = name, np.array(value)
+    ...     def assign(self, value): self.value = np.array(value)
+    >>> model = Object(metrics=[Object(variables=[Variable("total", [2.0])])])
+    >>> port = Object(all_gather=lambda flat: flat[None])
+    >>> with GlobalMetricState(model, port):
+    ...     model.metrics[0].variables[0].value.tolist()
+    [2.0]
+    """
+
+    def __init__(self, model: Any, port: Any):
+        self.model = model
+        self.port = port
+
+    def __enter__(self):
+        pairs = [(metric, variable) for metric in self.model.metrics for variable in metric.variables]
+        self.pairs = pairs
+        self.saved = [_read(variable) for _, variable in pairs]
+        for dtype in dict.fromkeys(value.dtype for value in self.saved):
+            indices = [i for i, value in enumerate(self.saved) if value.dtype == dtype]
+            gathered = np.asarray(self.port.all_gather(
+                np.concatenate([self.saved[i].ravel() for i in indices])))
+            offset = 0
+            for i in indices:
+                size = self.saved[i].size
+                value = reduce_gathered(gathered[:, offset:offset + size], metric_reduction(*pairs[i]))
+                offset += size
+                pairs[i][1].assign(value.reshape(self.saved[i].shape).astype(dtype))
+        return self
+
+    def __exit__(self, *exc):
+        for (_, variable), saved in zip(self.pairs, self.saved):
+            variable.assign(saved)
+        return False
+
+
+# -- lost workers -------------------------------------------------------------------------
+
+
+def worker_label(resolver: Any, rank: int) -> str:
+    """How every message names a worker: `worker R (job:index at host:port)`.
+
+    Example:
+
+    >>> from keras_mwms.cluster import SimpleClusterResolver
+    >>> worker_label(SimpleClusterResolver({"worker": ["h0:1", "h1:2"]}, "worker", 0), 1)
+    'worker 1 (worker:1 at h1:2)'
+    """
+    job, index = resolver.group_tasks[rank]
+    return f"worker {rank} ({job}:{index} at {resolver.worker_addresses[rank]})"
+
+
+def lost_worker_message(worker_index: int, lost: list[str], where: str, underlying: str) -> str:
+    """The one message every backend gives when a peer is lost (see `raise_worker_lost`).
+
+    Example:
+
+    >>> print(lost_worker_message(1, [], "barrier", "Connection reset by peer"))  # doctest: +ELLIPSIS
+    keras_mwms worker 1: lost an unidentified peer worker during barrier: Connection reset by peer. ...
+    """
+    first_line = underlying.strip().splitlines()[0][:300] if underlying.strip() else "no detail"
+    return (
+        f"keras_mwms worker {worker_index}: lost {', '.join(lost) or 'an unidentified peer worker'} "
+        f"during {where}: {first_line.rstrip('.')}. Synchronous training cannot continue; every "
+        "worker stops. Restart the whole job (`python -m keras_mwms.launch --max-restarts N`) and "
+        "resume with keras_mwms.callbacks.BackupAndRestore."
+    )
+
+
+def start_exit_watchdog(seconds: float) -> None:
+    """Ends this process (exit status 1, all threads' tracebacks on stderr) in `seconds` at most.
+
+    A worker that lost a peer must not hang in its backend's teardown, which may wait for the
+    dead peer; the watchdog runs outside the interpreter lock, so it fires even then.
+    """
+    faulthandler.dump_traceback_later(seconds, exit=True)
+
+
+def raise_worker_lost(backend: Any, where: str, error: BaseException, lost_ranks: list[int]) -> None:
+    """Reports a lost peer the same way on every backend, arms the bounded exit, and raises.
+
+    `backend` offers `resolver`, `worker_index` and `options.lost_worker_exit_seconds`.
+
+    Example:
+
+    >>> from types import SimpleNamespace as Object
+    >>> from keras_mwms.cluster import SimpleClusterResolver
+    >>> from keras_mwms.communication import CommunicationOptions
+    >>> resolver = SimpleClusterResolver({"worker": ["h0:1", "h1:2"]}, "worker", 0)
+    >>> backend = Object(resolver=resolver, worker_index=0,
+    ...                  options=CommunicationOptions(lost_worker_exit_seconds=600))
+    >>> try:
+    ...     raise_worker_lost(backend, "barrier", OSError("Connection reset"), [1])
+    ... except WorkerLostError as error:
+    ...     faulthandler.cancel_dump_traceback_later()
+    ...     print(error.lost_workers, "lost worker 1 (worker:1 at h1:2)" in str(error))
+    [1] True
+    """
+    labels = [worker_label(backend.resolver, rank) for rank in lost_ranks]
+    message = lost_worker_message(backend.worker_index, labels, where,
+                                  str(error) or type(error).__name__)
+    print(message, file=sys.stderr, flush=True)
+    start_exit_watchdog(backend.options.lost_worker_exit_seconds)
+    raise WorkerLostError(message, lost_workers=lost_ranks, where=where) from error

@@ -1,0 +1,35 @@
+"""The errors keras_mwms raises while training, the same on every backend.
+
+`WorkerLostError` is what a synchronous job raises when a peer worker dies, hangs or becomes
+unreachable: no backend can go on without it, so every worker stops with a message naming the
+lost worker(s), and the process ends within `CommunicationOptions.lost_worker_exit_seconds`
+even if the backend's teardown waits for the dead peer.
+"""
+
+from __future__ import annotations
+
+
+class WorkerLostError(RuntimeError):
+    """A peer worker crashed, hung or left; synchronous training cannot continue on any worker.
+
+    The message names the lost worker(s) as `worker R (job:index at host:port)` when they can
+    be found, and the backend's own error is chained as the cause. Restart the whole gang (for
+    example `python -m keras_mwms.launch --max-restarts N`) and resume with
+    `keras_mwms.callbacks.BackupAndRestore`.
+
+    Example:
+
+    >>> error = WorkerLostError("lost worker 1", lost_workers=[1], where="gradient all-reduce")
+    >>> isinstance(error, RuntimeError), error.lost_workers, error.where
+    (True, [1], 'gradient all-reduce')
+
+    Args:
+        message: the full message (see `keras_mwms.backends.policy.lost_worker_message`).
+        lost_workers: ranks of the workers found lost (empty when none could be named).
+        where: the operation that failed, e.g. `"gradient all-reduce"`.
+    """
+
+    def __init__(self, message: str, lost_workers: list[int] | None = None, where: str = ""):
+        super().__init__(message)
+        self.lost_workers = list(lost_workers or [])
+        self.where = where
