@@ -38,6 +38,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from keras_mwms import devices
 from keras_mwms.cluster import format_address, make_tf_config
 
 DEFAULT_GRACE_PERIOD_SECONDS = 10.0
@@ -149,9 +150,9 @@ class Gang:
         env.update(self.worker_env.get(index, {}))
         env["TF_CONFIG"] = make_tf_config(self.addresses, index)
         env["KERAS_MWMS_ATTEMPT"] = str(self.attempt)
-        env["KERAS_MWMS_LOCAL_WORKERS"] = str(self.workers)
+        env[devices.LOCAL_WORKERS_ENV] = str(self.workers)
         env["PYTHONUNBUFFERED"] = "1"
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.workers)))
+        env.setdefault("OMP_NUM_THREADS", str(devices.threads_per_worker(self.workers)))
         return env
 
     def _pump(self, index: int, stream, output) -> None:

@@ -104,17 +104,3 @@ def quick_config(**overrides) -> BenchmarkConfig:
                             models=("mlp",), width=256, depth=2, steps=40, warmup_steps=8, repeats=1,
                             share_peers=1, gang_timeout=300.0, quick=True)
     return replace(quick, **overrides)
-
-
-def threads_per_worker(workers: int, cores: int | None = None) -> int:
-    """Compute threads for each worker process: cores ÷ workers, at least 1.
-
-    Oversubscribed cores made synchronous training several times slower in our probes.
-
-    Example:
-
-    >>> threads_per_worker(2, cores=2), threads_per_worker(1, cores=2), threads_per_worker(4, cores=2)
-    (1, 2, 1)
-    """
-    cores = cores or os.cpu_count() or 1
-    return max(1, cores // max(1, workers))
