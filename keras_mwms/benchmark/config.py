@@ -7,7 +7,6 @@ and every worker agree on the same sizes, iterations and model.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, replace
 
 BACKENDS = ("tensorflow", "jax", "torch")

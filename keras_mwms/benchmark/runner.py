@@ -29,9 +29,9 @@ from pathlib import Path
 
 from keras_mwms.benchmark import analysis, bandwidth, report
 from keras_mwms.benchmark.config import BenchmarkConfig
-from keras_mwms.devices import threads_per_worker
 from keras_mwms.benchmark.timing import LAUNCHED_AT_ENV
 from keras_mwms.benchmark.worker import THREADS_ENV
+from keras_mwms.devices import threads_per_worker
 from keras_mwms.launch import Gang
 
 REPOSITORY = Path(__file__).resolve().parents[2]

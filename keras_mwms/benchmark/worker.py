@@ -26,10 +26,10 @@ from collections.abc import Sequence
 
 from keras_mwms.benchmark import peers
 from keras_mwms.benchmark.config import BenchmarkConfig
-from keras_mwms.devices import threads_per_worker
 from keras_mwms.benchmark.fit import keras_mwms_fit
 from keras_mwms.benchmark.models import parameter_count, synthetic_data
 from keras_mwms.benchmark.timing import seconds_since_launch
+from keras_mwms.devices import threads_per_worker
 
 ROLES = ("keras_mwms", "tensorflow_native")
 THREADS_ENV = "KERAS_MWMS_BENCH_THREADS"
