@@ -15,19 +15,18 @@ model.fit(x, y, batch_size=64)                          # 64 is the global batch
 Run it on two local workers: `python -m keras_mwms.launch --workers 2 train.py`.
 """
 
-__version__ = "0.1.0"
-
-from keras_mwms.cluster import (  # noqa: E402
+from keras_mwms.cluster import (
     ClusterSpec,
     SimpleClusterResolver,
     TFConfigClusterResolver,
     TFConfigError,
 )
-from keras_mwms.communication import CommunicationImplementation, CommunicationOptions  # noqa: E402
-from keras_mwms.data import AutoShardPolicy, InputContext  # noqa: E402
-from keras_mwms.errors import WorkerLostError  # noqa: E402
-from keras_mwms.rendezvous import RendezvousError  # noqa: E402
-from keras_mwms.strategy import MultiWorkerMirroredStrategy  # noqa: E402
+from keras_mwms.communication import CommunicationImplementation, CommunicationOptions
+from keras_mwms.data import AutoShardPolicy, InputContext
+from keras_mwms.errors import WorkerLostError
+from keras_mwms.rendezvous import RendezvousError
+from keras_mwms.strategy import MultiWorkerMirroredStrategy
+from keras_mwms.version import __version__
 
 
 def __getattr__(name):

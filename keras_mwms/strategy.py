@@ -18,12 +18,13 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from keras_mwms import __version__, active, devices
+from keras_mwms import active, devices
 from keras_mwms.backends import backend_class, resume
 from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver, TFConfigClusterResolver
 from keras_mwms.communication import CommunicationOptions
 from keras_mwms.compat_v1 import CompatV1Methods
 from keras_mwms.rendezvous import Rendezvous
+from keras_mwms.version import __version__
 
 
 def build_fingerprint(resolver: ClusterResolver, options: CommunicationOptions,
