@@ -1,7 +1,7 @@
 """Global batches → per-replica shards: `InputContext`, `AutoShardPolicy` and the split rules.
 
-The contract (DESIGN.md §3): the batch the user gives (`batch_size`, or a dataset's batch) is
-the **global** batch. Each step consumes one global batch, split over all replicas in rank
+The contract, the same on every backend: the batch the user gives (`batch_size`, or a
+dataset's batch) is the **global** batch. Each step consumes one global batch, split over all replicas in rank
 order: replica r of n takes a contiguous slice of every global batch. When the global batch is
 not divisible by n the first `G % n` replicas take one row more; a partial last batch fills
 replicas in order, so trailing replicas may get fewer (even zero) rows — exactly
