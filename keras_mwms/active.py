@@ -6,8 +6,14 @@ it back.
 
 Example:
 
->>> active_backend() is None or hasattr(active_backend(), "num_workers")
+>>> strategy, backend = object(), object()
+>>> activate(strategy, backend)
+>>> active_strategy() is strategy, active_backend() is backend
+(True, True)
+>>> deactivate(object()); active_strategy() is strategy      # only the active one is forgotten
 True
+>>> deactivate(strategy); active_strategy(), active_backend()
+(None, None)
 """
 
 from __future__ import annotations

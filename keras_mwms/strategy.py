@@ -257,7 +257,10 @@ def get_strategy() -> MultiWorkerMirroredStrategy | None:
 
     Example:
 
-    >>> get_strategy() is None or isinstance(get_strategy(), MultiWorkerMirroredStrategy)
+    >>> strategy = object()
+    >>> active.activate(strategy, None); get_strategy() is strategy
+    True
+    >>> active.deactivate(strategy); get_strategy() is None
     True
     """
     return active.active_strategy()

@@ -1,0 +1,29 @@
+"""Runs the docstring examples of the given modules in this process; prints one JSON report.
+
+Usage: `KERAS_BACKEND=jax python tests/workers/doctests.py keras_mwms.cluster ...`. Each
+module's result is `{"failed": n, "attempted": n, "output": "..."}`; an import error counts as
+one failure with its traceback as the output.
+"""
+
+import contextlib
+import doctest
+import importlib
+import io
+import json
+import sys
+import traceback
+
+
+def run(name: str) -> dict:
+    output = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(output):
+            module = importlib.import_module(name)
+            result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    except Exception:  # noqa: BLE001 - reported to the test
+        return {"failed": 1, "attempted": 0, "output": output.getvalue() + traceback.format_exc()}
+    return {"failed": result.failed, "attempted": result.attempted, "output": output.getvalue()[-4000:]}
+
+
+if __name__ == "__main__":
+    print("DOCTESTS " + json.dumps({name: run(name) for name in sys.argv[1:]}))
