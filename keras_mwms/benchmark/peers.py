@@ -41,7 +41,7 @@ def tensorflow_native_strategy(workers: int):
     import tensorflow as tf
     from keras.src.backend.tensorflow import trainer as tensorflow_trainer
 
-    from keras_mwms.backends import tensorflow as patches
+    from keras_mwms.backends.tensorflow import patches
 
     # Only the two Keras 3.15.1 crash fixes (keras-team/keras#20585), none of keras_mwms' wrappers.
     tensorflow_trainer.TensorFlowTrainer._maybe_symbolic_build = patches._maybe_symbolic_build

@@ -1,0 +1,342 @@
+"""The TensorFlow engine: TF's own `MultiWorkerMirroredStrategy`, started safely and watched.
+
+On TensorFlow keras_mwms does not replace the collective engine: TF's gRPC ring or NCCL
+collectives, mirrored variables and chief-broadcast initial values are what TF users already
+run. What TF lacks, and what this module adds, is
+
+* a bounded start-up: TF's own waits for a missing peer forever, so the strategy is built from
+  our validated resolver only after the rendezvous proved every worker is up;
+* the request mapping: `CommunicationOptions` become TF's (NCCL without a GPU: a warning, then
+  RING); lost peers are detected by TF's heartbeats, `timeout_seconds` adds a per-collective
+  bound;
+* a name for a lost peer: TF buries `/job:worker/replica:0/task:1` in a graph traceback;
+  `lost_ranks` finds the ranks and `Backend.worker_lost` raises `keras_mwms.WorkerLostError`;
+* the collective port the shared policy and the callbacks build on (`all_reduce`,
+  `broadcast_object`, `barrier`) as tiny TF collectives.
+
+TF collectives cannot be torn down inside a process, so `leave()` does nothing: `close()`
+uninstalls the Keras patches, and the process can go on with plain Keras (not with a second
+multi-worker strategy).
+
+Example:
+
+>>> resolve_engine(CommunicationImplementation.RING, gpu_count=0)
+<CommunicationImplementation.RING: 'RING'>
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+import re
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from keras_mwms import active
+from keras_mwms.backends.base import Backend
+from keras_mwms.backends.patches import PatchTable
+from keras_mwms.backends.tensorflow import patches
+from keras_mwms.backends.tensorflow.gradients import RowWeighting
+from keras_mwms.cluster import ClusterResolver
+from keras_mwms.communication import CommunicationImplementation, CommunicationOptions
+
+# TF's per-collective timeout starts one sleeping thread per collective for its whole duration
+# (≈2,500 live threads per worker after a short benchmark at 300 s), so by default we set none:
+# TF's coordination-service heartbeats already end every worker ≈10 s after a peer dies or is
+# stopped (SIGSTOP stops its heartbeat thread too). A user's `timeout_seconds` is passed on.
+DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = None
+_TASK_PATTERN = re.compile(r"/job:(\w+)/(?:replica:\d+/)?task:(\d+)")
+
+
+def resolve_engine(implementation: CommunicationImplementation, gpu_count: int) -> CommunicationImplementation:
+    """The TF collective implementation actually used for a request on this machine.
+
+    NCCL needs GPUs; on a CPU-only worker it falls back to RING, with a warning that says so.
+
+    Example:
+
+    >>> resolve_engine(CommunicationImplementation.AUTO, 0)
+    <CommunicationImplementation.AUTO: 'AUTO'>
+    """
+    if implementation is CommunicationImplementation.NCCL and gpu_count == 0:
+        warnings.warn(
+            "CommunicationImplementation.NCCL was requested but this worker has no GPU: "
+            "TensorFlow collectives use RING (gRPC) instead. Request RING or AUTO to silence this.",
+            stacklevel=3,
+        )
+        return CommunicationImplementation.RING
+    return implementation
+
+
+def tf_cluster_resolver(resolver: ClusterResolver):
+    """Our resolver as a TF `SimpleClusterResolver` over the training jobs (`chief`, `worker`).
+
+    `ps` and `evaluator` tasks are left out: a mirrored strategy never talks to them, and TF
+    would otherwise wait for them at start-up.
+
+    Example:
+
+    ```python
+    tf_resolver = tf_cluster_resolver(strategy.cluster_resolver)
+    tf_resolver.cluster_spec().jobs          # ['worker'] (or ['chief', 'worker'])
+    ```
+    """
+    import tensorflow as tf
+
+    spec = resolver.cluster_spec().as_dict()
+    training_jobs = {job: tasks for job, tasks in spec.items() if job in ("chief", "worker")}
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(training_jobs), task_type=resolver.task_type,
+        task_id=resolver.task_id, rpc_layer=resolver.rpc_layer or "grpc")
+
+
+def lost_ranks(text: str, resolver: ClusterResolver, own_rank: int) -> list[int]:
+    """The peers' ranks a TF lost-peer error names (`/job:worker/replica:0/task:N`), in order.
+
+    When TF lists unhealthy tasks ("tasks are unhealthy (stopped sending heartbeats): ...")
+    only that list counts; this worker itself is never reported.
+
+    Example:
+
+    >>> from keras_mwms.cluster import SimpleClusterResolver
+    >>> resolver = SimpleClusterResolver({"worker": ["h0:1", "h1:2", "h2:3"]}, "worker", 0)
+    >>> lost_ranks("/job:worker/replica:0/task:0 saw: the following tasks are unhealthy "
+    ...            "(stopped sending heartbeats): /job:worker/replica:0/task:2", resolver, 0)
+    [2]
+    """
+    listed = text.split("unhealthy", 1)[1] if "unhealthy" in text else text
+    ranks: list[int] = []
+    for job, index in _TASK_PATTERN.findall(listed):
+        task = (job, int(index))
+        if task in resolver.group_tasks:
+            rank = resolver.group_tasks.index(task)
+            if rank != own_rank and rank not in ranks:
+                ranks.append(rank)
+    return ranks
+
+
+def _lost_peer_detail(error: BaseException) -> RuntimeError:
+    """TF's lost-peer error reduced to its telling line (TF's own error chained as the cause)."""
+    text = str(error)
+    reason = next((line.strip() for line in text.splitlines()
+                   if "unhealthy" in line or "aborted" in line.lower()),
+                  text.splitlines()[0] if text else "")
+    detail = RuntimeError(f"{type(error).__name__}: {reason[:300]}")
+    detail.__cause__ = error
+    return detail
+
+
+class TensorFlowBackend(Backend):
+    """Multi-worker training on the TensorFlow backend, through TF's own collectives.
+
+    Created by `keras_mwms.MultiWorkerMirroredStrategy` (the facade); users rarely touch it.
+    Its `strategy` is the underlying `tf.distribute.MultiWorkerMirroredStrategy`.
+
+    Example:
+
+    ```python
+    strategy = keras_mwms.MultiWorkerMirroredStrategy()
+    strategy.backend.strategy          # the tf.distribute strategy
+    strategy.backend.broadcast_object({"epoch": 3})   # chief's value everywhere
+    ```
+
+    Args:
+        resolver: the validated cluster and this task.
+        options: the user's `CommunicationOptions`.
+        tf_config_at_creation: the `TF_CONFIG` text the strategy saw when it was created.
+    """
+
+    name = "tensorflow"
+
+    def __init__(self, resolver: ClusterResolver, options: CommunicationOptions,
+                 tf_config_at_creation: str = ""):
+        super().__init__(resolver, options, tf_config_at_creation)
+        from keras_mwms import devices
+
+        self.gpu_count = devices.local_gpu_count()
+        self.implementation = resolve_engine(options.implementation, self.gpu_count)
+        self.strategy = None
+        self.row_weighting: RowWeighting | None = None
+
+    @staticmethod
+    def version() -> str:
+        import tensorflow as tf
+
+        return tf.__version__
+
+    def engine_description(self) -> str:
+        return f"tf-collective-{self.implementation.value.lower()}"
+
+    @property
+    def collective_timeout_seconds(self) -> float | None:
+        """The per-collective bound: the user's `timeout_seconds`, else none (heartbeats bound)."""
+        return self.options.timeout_seconds or DEFAULT_COLLECTIVE_TIMEOUT_SECONDS
+
+    # -- life cycle -----------------------------------------------------------------------
+    def join(self) -> None:
+        import tensorflow as tf
+
+        tf_options = tf.distribute.experimental.CommunicationOptions(
+            bytes_per_pack=self.options.bytes_per_pack,
+            timeout_seconds=self.collective_timeout_seconds,
+            implementation=getattr(tf.distribute.experimental.CommunicationImplementation,
+                                   self.implementation.value),
+        )
+        if self.num_workers > 1:
+            cluster_resolver = tf_cluster_resolver(self.resolver)
+        else:
+            # One worker: a local strategy (no gRPC server), i.e. plain Keras behaviour.
+            cluster_resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+                tf.train.ClusterSpec({}), task_type="worker", task_id=0)
+        try:
+            self.strategy = tf.distribute.MultiWorkerMirroredStrategy(
+                cluster_resolver=cluster_resolver, communication_options=tf_options)
+        except RuntimeError as error:
+            if "configured at program startup" not in str(error):
+                raise
+            raise RuntimeError(
+                "TensorFlow already ran an operation in this process (a tensor, a Keras layer or "
+                "variable, keras.utils.set_random_seed(), ...) before "
+                "keras_mwms.MultiWorkerMirroredStrategy() was created, so its collectives can no "
+                "longer be configured. Create the strategy first, right after the imports, and "
+                "build models, seeds and data afterwards."
+            ) from error
+        self.row_weighting = RowWeighting(self.strategy)
+
+    def leave(self) -> None:
+        """Nothing to do: TF collectives, once configured, stay with the process."""
+
+    def patch_table(self) -> PatchTable:
+        """The Keras repairs, the fit/evaluate/predict wrappers and the row weighting."""
+        return patches.patch_table(self)
+
+    def install_patches(self) -> None:
+        """Installs this backend's table; a previous, unclosed TF strategy's table goes first.
+
+        Two tables would wrap the same Keras methods twice (every fit prepared twice).
+        """
+        previous = active.active_backend()
+        if isinstance(previous, TensorFlowBackend) and previous is not self:
+            previous.uninstall_patches()
+        super().install_patches()
+
+    @property
+    def replicas_per_worker(self) -> int:
+        return len(self.strategy.extended.worker_devices)
+
+    def uses(self, model: Any) -> bool:
+        """Whether `model` was built in this backend's scope (it then trains on all workers)."""
+        return self.strategy is not None and getattr(model, "_distribute_strategy", None) is self.strategy
+
+    def raise_if_worker_lost(self, where: str, error: BaseException) -> None:
+        """Turns TF's lost-peer errors (heartbeats, aborted collectives) into `WorkerLostError`.
+
+        Other errors, and any error on one worker, return unchanged for the caller to re-raise.
+        """
+        import tensorflow as tf
+
+        lost_peer_errors = (tf.errors.UnavailableError, tf.errors.AbortedError,
+                            tf.errors.DeadlineExceededError)
+        if self.num_workers == 1 or not isinstance(error, lost_peer_errors):
+            return
+        self.worker_lost(where, _lost_peer_detail(error),
+                         lost_ranks(str(error), self.resolver, self.worker_index))
+
+    # -- tf.distribute-style surface ------------------------------------------------------
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self.strategy.num_replicas_in_sync
+
+    def scope(self):
+        return self.strategy.scope()
+
+    def run(self, fn: Callable, args: tuple = (), kwargs: dict | None = None) -> Any:
+        return self.strategy.run(fn, args=tuple(args), kwargs=kwargs or {})
+
+    def reduce(self, reduce_op: str, value: Any, axis: int | None) -> Any:
+        import tensorflow as tf
+
+        # TF's collective strategy reduces one tensor at a time; map over nests like
+        # MirroredStrategy does, so `reduce("SUM", (loss, count), None)` works too.
+        return tf.nest.map_structure(lambda leaf: self.strategy.reduce(reduce_op, leaf, axis), value)
+
+    def experimental_local_results(self, value: Any) -> tuple:
+        return self.strategy.experimental_local_results(value)
+
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+        return self.strategy.experimental_distribute_dataset(dataset, options)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable, options: Any = None) -> Any:
+        # TF passes its own tf.distribute.InputContext, whose num_input_pipelines,
+        # input_pipeline_id, num_replicas_in_sync and get_per_replica_batch_size are
+        # keras_mwms.InputContext's: user functions work unchanged with either.
+        return self.strategy.distribute_datasets_from_function(dataset_fn, options)
+
+    def update_config_proto(self, config_proto: Any) -> Any:
+        """compat.v1: a copy of `config_proto` with this strategy's collective settings."""
+        return self.strategy.extended._update_config_proto(config_proto)
+
+    # -- collective port ------------------------------------------------------------------
+    def _all_reduce_sum(self, array: np.ndarray, contributing_replica: int | None = None) -> np.ndarray:
+        """SUM of `array` over workers; only `contributing_replica` adds it if given (others add 0)."""
+        import tensorflow as tf
+
+        first_local_replica = self.worker_index * self.replicas_per_worker
+
+        def value_for(context):
+            replica = context.replica_id_in_sync_group
+            if contributing_replica is None:
+                keep = replica == first_local_replica
+            else:
+                keep = replica == contributing_replica
+            return tf.constant(array if keep else np.zeros_like(array))
+
+        per_replica = self.strategy.experimental_distribute_values_from_function(value_for)
+        return np.asarray(self._traced_sum(per_replica))
+
+    @functools.cached_property
+    def _traced_sum(self):
+        """SUM across replicas inside a `tf.function`: eagerly, TF logs "Using
+        CollectiveAllReduceStrategy eagerly has significant overhead" on every call (every
+        epoch of BackupAndRestore)."""
+        import tensorflow as tf
+
+        return tf.function(lambda per_replica: self.strategy.reduce("SUM", per_replica, axis=None),
+                           reduce_retracing=True)
+
+    def all_reduce_sum(self, value: np.ndarray) -> np.ndarray:
+        """SUM of every worker's `value` (NumPy in, NumPy out)."""
+        return self._all_reduce_sum(np.asarray(value))
+
+    def all_reduce(self, value: np.ndarray, op: str = "sum") -> np.ndarray:
+        """Sum, min or max of a host array over workers (min/max from one all-gather)."""
+        value = np.asarray(value)
+        if op == "sum":
+            return self.all_reduce_sum(value)
+        gathered = self.all_gather(value)
+        return gathered.min(axis=0) if op == "min" else gathered.max(axis=0)
+
+    def barrier(self, name: str = "barrier") -> None:
+        """Returns once every worker called it (one tiny all-reduce, bounded by the timeout)."""
+        arrived = self._all_reduce_sum(np.ones((), np.int32))
+        if int(arrived) != self.num_workers:
+            raise RuntimeError(f"barrier {name!r}: {int(arrived)} of {self.num_workers} workers arrived")
+
+    def broadcast_object(self, value: Any, root: int = 0) -> Any:
+        """Worker `root`'s picklable `value`, on every worker (two all-reduces: size, bytes)."""
+        if self.num_workers == 1:
+            return value
+        if not 0 <= root < self.num_workers:
+            raise ValueError(f"root must be a worker index in 0..{self.num_workers - 1}, got {root}")
+        root_replica = root * self.replicas_per_worker
+        payload = pickle.dumps(value) if self.worker_index == root else b""
+        size = int(self._all_reduce_sum(np.array(len(payload), np.int64), root_replica))
+        # int32 words: collectives sum them exactly, and zeros from the other workers add nothing.
+        padded = payload.ljust((size + 3) // 4 * 4, b"\0")
+        words = np.frombuffer(padded, np.int32) if self.worker_index == root else \
+            np.zeros(((size + 3) // 4,), np.int32)
+        received = self._all_reduce_sum(words, root_replica)
+        return pickle.loads(received.astype(np.int32).tobytes()[:size])

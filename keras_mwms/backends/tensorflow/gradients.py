@@ -1,0 +1,177 @@
+"""One global batch's gradient on TensorFlow, as one process computes it.
+
+Keras 3.15.1 on a `tf.distribute` strategy gets three things wrong that one process gets right,
+silently (workers stay bit-identical, so nothing looks broken):
+
+* **Row weights.** Each replica's loss is its *local* mean divided by the number of replicas,
+  so with uneven splits a row weighs `1 / (local rows × replicas)` — e.g. 1/33 and 1/30
+  instead of 1/32 for a global batch of 32 on 3 workers, 1/8 for a partial batch's lone row
+  on its replica. Here each Keras-loop step first sums the replicas' row counts (one scalar
+  all-reduce: on the benchmark MLP, 2 workers, 0.92× the Keras 3 + tf.distribute peer with
+  it, 1.03× without, in two runs on the 2-core CI machine)
+  and scales the loss by `replicas × local rows / global rows`; gradients are then averaged
+  over replicas. A row weighs `1 / global rows` on every replica, and a loss a
+  custom `train_step` logs is the global batch's mean, as in one process. (Full, evenly split
+  batches have a scale of exactly 1.)
+* **Clipping.** `clipnorm` / `global_clipnorm` / `clipvalue` ran on each replica's partial
+  gradient, before the all-reduce. Here gradients are all-reduced first.
+* **Gradient accumulation.** Keras' `tf.cond` around the update contains a `merge_call`, which
+  TF forbids in a replica context ("merge_call called while defining a new graph"). Here the
+  whole update, accumulation and clipping included, runs after one `merge_call`, in the
+  cross-replica context, on the all-reduced gradients.
+
+`RowWeighting` holds the replacements; `keras_mwms.backends.tensorflow.patches` lists them as
+rows of the backend's patch table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+def _rows_of(nest):
+    import tensorflow as tf
+
+    leaves = [leaf for leaf in tf.nest.flatten(nest) if leaf is not None and hasattr(leaf, "shape")]
+    if not leaves:
+        return None
+    return tf.cast(tf.shape(leaves[0])[0], tf.float32)
+
+
+class RowWeighting:
+    """Row-weighted loss scaling and all-reduce-before-update for one tf strategy's Keras loops.
+
+    Each method taking `original` is a patch replacement factory (see the module docstring);
+    `keras_loop()` marks a fit/evaluate call whose steps are row-weighted. Custom training
+    loops (`strategy.run` outside `fit`) keep Keras' own loss scaling.
+
+    Example (outside a Keras loop every replacement defers to the original):
+
+    >>> weighting = RowWeighting(strategy=None)
+    >>> weighting.scale_loss(lambda value: value / 2)(3.0)
+    1.5
+    >>> with weighting.keras_loop():
+    ...     weighting.loops_running
+    1
+
+    Args:
+        strategy: the `tf.distribute` strategy keras_mwms created; optimizers of other
+            strategies keep Keras' update.
+    """
+
+    def __init__(self, strategy: Any):
+        self.strategy = strategy
+        self.loops_running = 0                   # > 0 while our fit/evaluate wrapper runs a Keras loop
+        self._replica = threading.local()        # per replica thread: this step's loss scale factor
+
+    @contextlib.contextmanager
+    def keras_loop(self):
+        """Marks a Keras fit/evaluate call: its steps are row-weighted."""
+        self.loops_running += 1
+        try:
+            yield
+        finally:
+            self.loops_running -= 1
+
+    def _factor(self):
+        return getattr(self._replica, "factor", None)
+
+    def run(self, original: Callable) -> Callable:
+        """`strategy.run` that lets a Keras-loop step know its replica's row share first."""
+        @functools.wraps(original)
+        def run(fn: Callable, *args, **kwargs):
+            if not self.loops_running:
+                return original(fn, *args, **kwargs)
+
+            @functools.wraps(fn)
+            def replica_step(*step_args, **step_kwargs):
+                import tensorflow as tf
+
+                rows = _rows_of((step_args, step_kwargs))
+                if rows is None:        # no batch to count: every replica's loss counts once
+                    self._replica.factor = tf.constant(1.0)
+                else:
+                    context = tf.distribute.get_replica_context()
+                    global_rows = context.all_reduce(tf.distribute.ReduceOp.SUM, rows)
+                    self._replica.factor = tf.math.divide_no_nan(rows * context.num_replicas_in_sync,
+                                                                 global_rows)
+                try:
+                    return fn(*step_args, **step_kwargs)
+                finally:
+                    self._replica.factor = None
+
+            return original(replica_step, *args, **kwargs)
+
+        return run
+
+    def scale_loss(self, original: Callable) -> Callable:
+        """`scale_loss_for_distribution`: multiply by the row factor inside a Keras-loop step."""
+        @functools.wraps(original)
+        def scale_loss_for_distribution(value, *args, **kwargs):
+            factor = self._factor()
+            if factor is None:
+                return original(value, *args, **kwargs)
+            import tensorflow as tf
+
+            return value * tf.cast(factor, value.dtype)
+
+        return scale_loss_for_distribution
+
+    def unscale_loss(self, original: Callable) -> Callable:
+        """`unscale_loss_for_distribution`: divide by the row factor inside a Keras-loop step."""
+        @functools.wraps(original)
+        def unscale_loss_for_distribution(value, *args, **kwargs):
+            factor = self._factor()
+            if factor is None:
+                return original(value, *args, **kwargs)
+            import tensorflow as tf
+
+            return tf.math.divide_no_nan(value, tf.cast(factor, value.dtype))
+
+        return unscale_loss_for_distribution
+
+    def apply_after_all_reduce(self, original: Callable) -> Callable:
+        """`TFOptimizer._backend_apply_gradients`: all-reduce first, then Keras' whole update."""
+        @functools.wraps(original)
+        def _backend_apply_gradients(optimizer, grads, trainable_variables, *args, **kwargs):
+            import tensorflow as tf
+
+            context = tf.distribute.get_replica_context()
+            if context is None or optimizer._distribution_strategy is not self.strategy:
+                return original(optimizer, grads, trainable_variables, *args, **kwargs)
+            # In a Keras loop the losses are already row-weighted: average. Elsewhere Keras
+            # scaled each replica's loss by 1/replicas: sum, as Keras does. (The loop count,
+            # not the replica thread's factor: LossScaleOptimizer applies from a replica
+            # thread of its own.)
+            operation = tf.distribute.ReduceOp.MEAN if self.loops_running else tf.distribute.ReduceOp.SUM
+            reduced = context.all_reduce(operation, list(grads))
+
+            def update(distribution, reduced_grads):
+                local = [distribution.experimental_local_results(grad)[0] for grad in reduced_grads]
+                original(optimizer, local, trainable_variables, *args, **kwargs)
+
+            context.merge_call(update, args=(reduced,))
+
+        return _backend_apply_gradients
+
+    @staticmethod
+    def merge_call_in_cross_replica_context(original: Callable) -> Callable:
+        """`maybe_merge_call` that calls `fn` directly where the caller is already cross-replica.
+
+        TF's version always asks the replica context for a `merge_call`, so Keras' optimizer
+        helpers fail (`'NoneType' object has no attribute 'merge_call'`) when the update itself
+        runs inside our one `merge_call`; there, running `fn` directly is what `merge_call` does.
+        """
+        @functools.wraps(original)
+        def maybe_merge_call(fn, strategy, *args, **kwargs):
+            import tensorflow as tf
+
+            if tf.distribute.get_replica_context() is None:
+                return fn(strategy, *args, **kwargs)
+            return original(fn, strategy, *args, **kwargs)
+
+        return maybe_merge_call

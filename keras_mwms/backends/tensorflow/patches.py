@@ -1,0 +1,156 @@
+"""Every private Keras (and TF) internal keras_mwms changes on TensorFlow, as one table.
+
+Keras 3.15.1's TensorFlow trainer crashes under a multi-worker `tf.distribute` strategy (two
+crashes, repaired by `_maybe_symbolic_build` and `_make_reduce_per_replica` below), weighs rows
+unlike one process and clips partial gradients (`gradients.RowWeighting`), and needs the
+equivalence wrappers around `fit` / `evaluate` / `predict` (`trainer.trainer_method`). Each is
+a `Patch` row of `patch_table(backend)`: the strategy installs the table after the backend
+joined, and `MultiWorkerMirroredStrategy.close()` restores every original.
+
+Example (the rows, without installing anything):
+
+>>> from types import SimpleNamespace as Backend
+>>> from keras_mwms.backends.tensorflow.gradients import RowWeighting
+>>> table = patch_table(Backend(strategy=object(), row_weighting=RowWeighting(None)))
+>>> [row.name for row in table][:3]
+['tf-symbolic-build-per-leaf', 'tf-reduce-per-replica-scalar-axis', 'tf-fit-wrapper']
+>>> print(table.markdown().splitlines()[2])  # doctest: +ELLIPSIS
+| `tf-symbolic-build-per-leaf` | `keras.src.backend.tensorflow.trainer:TensorFlowTrainer._maybe_symbolic_build` | ...
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from keras_mwms.backends.patches import ANY_KERAS, Patch, PatchTable
+from keras_mwms.backends.tensorflow import data, trainer
+
+_TRAINER = "keras.src.backend.tensorflow.trainer"
+
+
+# -- Keras 3.15.1 crash repairs (keras-team/keras#20585) ----------------------------------
+
+def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+    """Keras' `TensorFlowTrainer._maybe_symbolic_build`, building from one local replica's batch.
+
+    keras-team/keras#20585, tensorflow/tensorflow#72388: Keras 3.15.1 calls
+    `strategy.reduce("MEAN", whole_batch_tuple, axis=None)`; the collective strategy cannot
+    reduce a nest (`ValueError: Attempt to convert a value (PerReplica...)`). The build only
+    needs shapes and dtypes, so this takes this worker's first replica's batch, leaf by leaf,
+    without any collective (or one from `data.batch_without_iterating`, which consumes nothing).
+    """
+    import tensorflow as tf
+    from keras.src import tree
+
+    if self._distribute_strategy is None:
+        return
+    if iterator is not None:
+        data_batch = data.batch_without_iterating(getattr(iterator, "data_adapter", None))
+    if iterator is not None and data_batch is None:
+        for _, _, batches in iterator:
+            batch = next(batches)
+            data_batch = tree.map_structure(
+                lambda leaf: self.distribute_strategy.experimental_local_results(leaf)[0]
+                if isinstance(leaf, tf.distribute.DistributedValues) else leaf, batch)
+            break
+    with self.distribute_strategy.scope():
+        self._symbolic_build(data_batch=data_batch)
+
+
+def _make_reduce_per_replica(original: Callable) -> Callable:
+    """Keras' `reduce_per_replica`, reducing scalar logs with `axis=None` on multi-worker strategies.
+
+    keras-team/keras#20585: for `MultiWorkerMirroredStrategy` Keras 3.15.1 reduces every log
+    value with `strategy.reduce("MEAN", value, axis=0)`, which fails on the scalar loss and
+    metrics (`Invalid reduction dimension 0 for input with 0 dimensions`); its `"sum"` branch
+    omits the required `axis`. Rank-0 values are reduced across replicas only.
+    """
+    signature = inspect.signature(original)
+
+    def rank(value):
+        import tensorflow as tf
+
+        if isinstance(value, tf.distribute.DistributedValues):
+            value = value.values[0]
+        return getattr(getattr(value, "shape", None), "rank", None)
+
+    @functools.wraps(original)
+    def reduce_per_replica(*args, **kwargs):
+        from keras.src import tree
+        from keras.src.backend.tensorflow import trainer as tensorflow_trainer
+
+        bound = signature.bind(*args, **kwargs)
+        values, strategy = bound.arguments["values"], bound.arguments["strategy"]
+        reduction = bound.arguments["reduction"]
+        if reduction == "auto":
+            reduction = bound.arguments["reduction"] = "mean"
+        if reduction in ("mean", "sum") and tensorflow_trainer._collective_all_reduce_multi_worker(strategy):
+            operation = reduction.upper()
+            return tree.map_structure(
+                lambda value: strategy.reduce(operation, value,
+                                              axis=None if rank(value) == 0 or operation == "SUM" else 0),
+                values)
+        return original(*bound.args, **bound.kwargs)
+
+    return reduce_per_replica
+
+
+# -- the table ----------------------------------------------------------------------------
+
+def patch_table(backend: Any) -> PatchTable:
+    """The TensorFlow backend's patch rows for `backend` (a joined `TensorFlowBackend`)."""
+    weighting = backend.row_weighting
+    rows = [
+        Patch(name="tf-symbolic-build-per-leaf",
+              target=f"{_TRAINER}:TensorFlowTrainer._maybe_symbolic_build",
+              replacement=lambda original: _maybe_symbolic_build,
+              works_around="keras-team/keras#20585, tensorflow/tensorflow#72388: Keras reduces the "
+                           "whole batch nest with strategy.reduce, which a collective strategy cannot",
+              parameters=("iterator", "data_batch")),
+        Patch(name="tf-reduce-per-replica-scalar-axis",
+              target=f"{_TRAINER}:reduce_per_replica",
+              replacement=_make_reduce_per_replica,
+              works_around="keras-team/keras#20585: multi-worker log reduction uses axis=0 on "
+                           "scalars and omits the axis for 'sum'",
+              parameters=("values", "strategy", "reduction")),
+    ]
+    rows += [Patch(name=f"tf-{method}-wrapper", target=f"{_TRAINER}:TensorFlowTrainer.{method}",
+                   replacement=trainer.trainer_method(method, backend),
+                   works_around="Keras runs each worker's loop as if it were alone: progress bars, "
+                                "shuffle order, uneven inputs, AutoShardPolicy.OFF lengths, XLA "
+                                "on CPU, chief-only predict and lost peers need the whole job",
+                   parameters=("x", "verbose"))
+             for method in ("fit", "evaluate", "predict")]
+    rows += [
+        Patch(name="tf-row-weighted-steps", target=backend.strategy, attribute="run",
+              replacement=weighting.run,
+              works_around="each replica's loss is its local mean over replicas, so rows of an "
+                           "unevenly split batch weigh differently than in one process",
+              keras_versions=ANY_KERAS, parameters=("fn",)),
+        Patch(name="tf-row-weighted-loss-scale",
+              target="keras.src.losses.loss:scale_loss_for_distribution",
+              replacement=weighting.scale_loss,
+              works_around="Keras scales each replica's loss by 1/replicas, not by its row share",
+              parameters=("value",)),
+        Patch(name="tf-row-weighted-loss-unscale",
+              target="keras.src.losses.loss:unscale_loss_for_distribution",
+              replacement=weighting.unscale_loss,
+              works_around="the logged loss must undo the row-share scaling",
+              parameters=("value",)),
+        Patch(name="tf-merge-call-in-cross-replica-context",
+              target="tensorflow:__internal__.distribute.interim.maybe_merge_call",
+              replacement=weighting.merge_call_in_cross_replica_context,
+              works_around="TF's maybe_merge_call fails in a cross-replica context, where Keras' "
+                           "update runs after the one merge_call",
+              parameters=("fn", "strategy")),
+        Patch(name="tf-all-reduce-before-update",
+              target="keras.src.backend.tensorflow.optimizer:TFOptimizer._backend_apply_gradients",
+              replacement=weighting.apply_after_all_reduce,
+              works_around="Keras clips and accumulates each replica's partial gradient before the "
+                           "all-reduce, and its tf.cond around a merge_call fails in a replica context",
+              parameters=("grads", "trainable_variables")),
+    ]
+    return PatchTable("tensorflow", rows)
