@@ -1,22 +1,26 @@
-"""The one fixture every multi-process test uses: start N real workers, bounded, cleaned up.
+"""The one fixture every multi-process test uses: start N real processes, bounded, cleaned up.
 
-Workers are started through the real launcher's `Gang` (free ports chosen at run time, own
-process groups, `[worker i]`-prefixed output), with a deadline on the whole run; on expiry
-or any exception every worker's process group is killed and the captured output is attached
-to the failure.
+`run_gang` starts workers through the real launcher's `Gang` (free ports chosen at run time,
+own process groups, `[worker i]`-prefixed output). `run_processes` starts processes whose
+command line, environment (TF_CONFIG included) or argv prefix (`ip netns exec NS`) the test
+chooses itself. Both put a deadline on the whole run; on expiry or any exception every
+process group is killed and the captured output is attached to the failure.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import signal
+import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from keras_mwms.launch import Gang
+from keras_mwms.launch import Gang, _die_with_parent
 
 REPO = Path(__file__).resolve().parent.parent
 WORKERS_DIR = Path(__file__).resolve().parent / "workers"
@@ -103,9 +107,6 @@ class LaunchResult:
 def run_launcher(launcher_args: Sequence[str], worker_command: Sequence[str], timeout: float,
                  env: dict[str, str] | None = None) -> LaunchResult:
     """Runs the real launcher CLI in its own process group, bounded by `timeout`."""
-    import signal
-    import subprocess
-
     command = [sys.executable, "-m", "keras_mwms.launch", *launcher_args, *worker_command]
     process = subprocess.Popen(command, cwd=REPO, env={**os.environ, **(env or {})},
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -127,3 +128,110 @@ def run_launcher(launcher_args: Sequence[str], worker_command: Sequence[str], ti
 def python_worker(script: str, *args: str) -> list[str]:
     """Command line running `tests/workers/<script>` with this interpreter."""
     return [sys.executable, "-u", str(WORKERS_DIR / script), *args]
+
+
+@dataclass
+class Spawn:
+    """One process for `run_processes`.
+
+    `argv` is the command line; `env` is added to this process's environment (which never
+    inherits a TF_CONFIG: give one here); `prefix` goes in front of `argv` and must exec it,
+    e.g. `("ip", "netns", "exec", "ns0")`, so that the process we hold is the command.
+    """
+
+    argv: Sequence[str]
+    env: dict[str, str] = field(default_factory=dict)
+    prefix: Sequence[str] = ()
+
+
+@dataclass
+class ProcessesResult:
+    """How each process of a `run_processes` call ended, in the order given.
+
+    `codes[i]` is None when the process was still running `grace_after_failure` seconds after
+    another one failed, and was killed; `seconds[i]` counts from the start to its exit (or kill).
+    """
+
+    codes: list[int | None]
+    seconds: list[float]
+    outputs: list[str]
+
+    def log(self, tail: int = 6000) -> str:
+        """Every process's exit code and the tail of its output, for failure messages."""
+        return "\n".join(f"--- process {index}: exit code {code} after {seconds:.1f} s\n{output[-tail:]}"
+                         for index, (code, seconds, output)
+                         in enumerate(zip(self.codes, self.seconds, self.outputs)))
+
+
+def run_processes(spawns: Sequence[Spawn], timeout: float, grace_after_failure: float | None = None,
+                  cwd: Path = REPO) -> ProcessesResult:
+    """Runs every spawn at once, each in its own process group, and waits for all to exit.
+
+    Each process's stdout and stderr are captured together. With `grace_after_failure`, once one
+    process exits non-zero the others get that many seconds more, then are killed (code None).
+    If `timeout` seconds pass with a process still running, every process group is killed and
+    `AssertionError` carries everyone's output. Whatever happens, no process group outlives
+    the call (a group may hold grandchildren after its leader exited).
+    """
+    base = {key: value for key, value in os.environ.items() if key != "TF_CONFIG"}
+    processes: list[subprocess.Popen] = []
+    chunks: list[list[bytes]] = [[] for _ in spawns]
+    pumps: list[threading.Thread] = []
+    exited: dict[int, float] = {}
+    started = time.monotonic()
+
+    def result() -> ProcessesResult:
+        now = time.monotonic()
+        return ProcessesResult(
+            codes=[process.returncode if index in exited else None for index, process in enumerate(processes)],
+            seconds=[exited.get(index, now) - started for index in range(len(processes))],
+            outputs=[b"".join(chunk).decode(errors="replace") for chunk in chunks])
+
+    try:
+        for spawn, sink in zip(spawns, chunks):
+            process = subprocess.Popen([*spawn.prefix, *spawn.argv], cwd=cwd, env={**base, **spawn.env},
+                                       stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, start_new_session=True,
+                                       preexec_fn=_die_with_parent)
+            processes.append(process)
+            pumps.append(threading.Thread(target=_pump, args=(process.stdout, sink), daemon=True))
+            pumps[-1].start()
+        hard_deadline = deadline = started + timeout
+        while True:
+            for index, process in enumerate(processes):
+                if index not in exited and process.poll() is not None:
+                    exited[index] = time.monotonic()
+                    if process.returncode != 0 and grace_after_failure is not None:
+                        deadline = min(deadline, exited[index] + grace_after_failure)
+            if len(exited) == len(processes) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        if len(exited) < len(processes) and deadline == hard_deadline:
+            _kill_groups(processes, pumps)
+            raise AssertionError(f"{len(processes) - len(exited)} of {len(processes)} processes still "
+                                 f"running after {timeout} s; output:\n{result().log()}")
+    finally:
+        _kill_groups(processes, pumps)
+    return result()
+
+
+def _pump(stream, sink: list[bytes]) -> None:
+    for chunk in iter(lambda: stream.read1(65536), b""):
+        sink.append(chunk)
+    stream.close()
+
+
+def _kill_groups(processes: Sequence[subprocess.Popen], pumps: Sequence[threading.Thread]) -> None:
+    """SIGKILLs every process group, reaps each leader, and drains the output pipes."""
+    for process in processes:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for process in processes:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+    for pump in pumps:
+        pump.join(timeout=5)

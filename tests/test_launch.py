@@ -20,6 +20,7 @@ WORKER = str(WORKERS_DIR / "launch_worker.py")
 STUBBORN_WORKER = str(WORKERS_DIR / "launch_stubborn_worker.py")
 
 
+# The launcher's own process handling is under test, so it is started directly, not via tests.multiworker.
 def launch(tmp_path: Path, *launcher_args: str, worker_args=(), timeout=60, wait=True):
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir(exist_ok=True)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import socket
 import time
 
 import pytest
@@ -12,44 +10,24 @@ import pytest
 from keras_mwms.cluster import make_tf_config
 from keras_mwms.launch import find_free_ports
 from keras_mwms.rendezvous import Rendezvous, describe_difference
-from tests.multiworker import WORKERS_DIR, worker_env
-
-SCRIPT = str(WORKERS_DIR / "rendezvous_worker.py")
+from tests.multiworker import Spawn, python_worker, run_processes, worker_env
 
 
-def start_workers(addresses_per_worker, indices, extra_env=None, timeout=20):
-    """Starts one process per (address list, index); returns the Popen objects."""
-    processes = []
-    for position, (addresses, index) in enumerate(zip(addresses_per_worker, indices)):
-        env = {**os.environ, **worker_env(), "RDV_TIMEOUT": str(timeout),
-               "TF_CONFIG": make_tf_config(addresses, index)}
-        env.update((extra_env or {}).get(position, {}))
-        processes.append(subprocess.Popen([sys.executable, "-u", SCRIPT], env=env, text=True,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    return processes
+def run_workers(addresses_per_worker, indices, extra_env=None, timeout=20, deadline=60):
+    """Runs one worker per (address list, index) until all exit; each must exit by itself.
 
-
-def collect(processes, deadline_seconds):
-    """Waits for every process (killing stragglers at the deadline); returns (code, seconds, output)."""
-    deadline = time.monotonic() + deadline_seconds
+    Returns `(exit code, seconds the rendezvous took, output)` per worker; past `deadline`
+    seconds every worker is killed and the test fails with their output.
+    """
+    spawns = [Spawn(python_worker("rendezvous_worker.py"),
+                    {**worker_env(), "RDV_TIMEOUT": str(timeout), "TF_CONFIG": make_tf_config(addresses, index),
+                     **(extra_env or {}).get(position, {})})
+              for position, (addresses, index) in enumerate(zip(addresses_per_worker, indices))]
+    ran = run_processes(spawns, timeout=deadline)
     results = []
-    try:
-        for process in processes:
-            try:
-                output, _ = process.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                output, _ = process.communicate()
-                results.append((None, None, output))
-                continue
-            line = next((line for line in output.splitlines() if line.startswith("RESULT")), "")
-            seconds = float(line.split()[2]) if line else None
-            results.append((process.returncode, seconds, output))
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+    for code, output in zip(ran.codes, ran.outputs):
+        line = next((line for line in output.splitlines() if line.startswith("RESULT")), "")
+        results.append((code, float(line.split()[2]) if line else None, output))
     return results
 
 
@@ -59,7 +37,7 @@ def addresses(count):
 
 def test_three_workers_meet_and_release_their_ports():
     cluster = addresses(3)
-    results = collect(start_workers([cluster] * 3, [0, 1, 2]), 60)
+    results = run_workers([cluster] * 3, [0, 1, 2])
     for code, _, output in results:
         assert code == 0, output
 
@@ -67,7 +45,7 @@ def test_three_workers_meet_and_release_their_ports():
 def test_missing_worker_is_named_within_timeout():
     cluster = addresses(3)
     timeout = 6
-    results = collect(start_workers([cluster] * 2, [0, 1], timeout=timeout), 60)
+    results = run_workers([cluster] * 2, [0, 1], timeout=timeout)
     for code, seconds, output in results:
         assert code == 1, output
         assert seconds <= timeout + 5, output
@@ -77,7 +55,7 @@ def test_missing_worker_is_named_within_timeout():
 def test_mismatched_cluster_order_fails_fast_naming_the_odd_worker():
     cluster = addresses(3)
     odd = [cluster[0], cluster[2], cluster[1]]
-    results = collect(start_workers([cluster, cluster, odd], [0, 1, 2], timeout=30), 60)
+    results = run_workers([cluster, cluster, odd], [0, 1, 2], timeout=30)
     for code, seconds, output in results:
         assert code == 1, output
         assert seconds < 10, output
@@ -90,7 +68,7 @@ def test_mismatched_cluster_order_fails_fast_naming_the_odd_worker():
 
 def test_version_mismatch_fails_fast_naming_the_worker_and_field():
     cluster = addresses(2)
-    results = collect(start_workers([cluster] * 2, [0, 1], {1: {"FAKE_KERAS": "3.9.0"}}, timeout=30), 60)
+    results = run_workers([cluster] * 2, [0, 1], {1: {"FAKE_KERAS": "3.9.0"}}, timeout=30)
     for code, seconds, output in results:
         assert code == 1, output
         assert seconds < 10, output
@@ -102,8 +80,7 @@ def test_duplicate_index_fails_fast():
     # Both processes claiming worker:1 are up before the chief (which starts 1.5 s late), so
     # the duplicate is seen before any verdict and the whole gang must stop.
     cluster = addresses(2)
-    results = collect(start_workers([cluster] * 3, [0, 1, 1], {0: {"RDV_START_DELAY": "1.5"}},
-                                    timeout=30), 60)
+    results = run_workers([cluster] * 3, [0, 1, 1], {0: {"RDV_START_DELAY": "1.5"}}, timeout=30)
     codes = [code for code, _, _ in results]
     assert codes == [1, 1, 1], results
     assert any("already in use" in output for _, _, output in results)
@@ -112,21 +89,21 @@ def test_duplicate_index_fails_fast():
 
 def test_port_taken_by_another_program_is_named():
     cluster = addresses(2)
-    import socket
-
     with socket.socket() as squatter:
         squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         host, port = cluster[1].split(":")
         squatter.bind((host, int(port)))
         squatter.listen(1)
-        results = collect(start_workers([cluster] * 2, [0, 1], timeout=5), 40)
+        results = run_workers([cluster] * 2, [0, 1], timeout=5, deadline=40)
     code, seconds, output = results[1]
     assert code == 1 and "already in use by another program" in output, output
     assert results[0][0] == 1
 
 
 def test_single_member_group_returns_at_once():
-    Rendezvous(["localhost:1"], 0, {}).run()
+    started = time.monotonic()
+    assert Rendezvous(["localhost:1"], 0, {}).run() is None
+    assert time.monotonic() - started < 1.0
 
 
 def test_bad_arguments_are_rejected():
