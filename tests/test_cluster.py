@@ -156,7 +156,8 @@ def test_ipv6_addresses_are_accepted():
 def test_valid_config_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        TFConfigClusterResolver(tf_config=config())
+        resolver = TFConfigClusterResolver(tf_config=config())
+    assert resolver.worker_addresses == TWO["worker"]
 
 
 def test_cluster_spec_api():

@@ -15,6 +15,7 @@ BACKENDS = ["tensorflow", "jax", "torch"]
 
 
 def test_every_guide_has_the_keras_io_header():
+    assert GUIDES, f"no runnable guide found in {REPO / 'guides'}"
     for name in os.listdir(REPO / "guides"):
         text = (REPO / "guides" / name).read_text()
         for field in ("Title:", "Author:", "Date created:", "Last modified:", "Description:"):

@@ -77,6 +77,12 @@ def test_every_generated_malformed_config_is_a_clear_error(text):
 @given(junk)
 def test_arbitrary_json_is_either_valid_or_a_clear_error(value):
     try:
-        parse_tf_config(json.dumps(value))
-    except TFConfigError:
-        pass
+        parsed = parse_tf_config(json.dumps(value))
+    except TFConfigError as error:
+        message = str(error)
+        assert "TF_CONFIG" in message
+        assert len(message) < 2000
+    else:
+        # Accepted: then it describes a cluster with this task in it.
+        tasks = parsed["cluster"][parsed["task_type"]]
+        assert 0 <= parsed["task_id"] < len(tasks), parsed
