@@ -42,6 +42,16 @@ def _rows_of(nest):
     return tf.cast(tf.shape(leaves[0])[0], tf.float32)
 
 
+def _times(value, factor):
+    return value * factor
+
+
+def _divided(value, factor):
+    import tensorflow as tf
+
+    return tf.math.divide_no_nan(value, factor)
+
+
 class RowWeighting:
     """Row-weighted loss scaling and all-reduce-before-update for one tf strategy's Keras loops.
 
@@ -110,29 +120,23 @@ class RowWeighting:
 
     def scale_loss(self, original: Callable) -> Callable:
         """`scale_loss_for_distribution`: multiply by the row factor inside a Keras-loop step."""
-        @functools.wraps(original)
-        def scale_loss_for_distribution(value, *args, **kwargs):
-            factor = self._factor()
-            if factor is None:
-                return original(value, *args, **kwargs)
-            import tensorflow as tf
-
-            return value * tf.cast(factor, value.dtype)
-
-        return scale_loss_for_distribution
+        return self._with_factor(original, _times)
 
     def unscale_loss(self, original: Callable) -> Callable:
         """`unscale_loss_for_distribution`: divide by the row factor inside a Keras-loop step."""
+        return self._with_factor(original, _divided)
+
+    def _with_factor(self, original: Callable, combine: Callable) -> Callable:
         @functools.wraps(original)
-        def unscale_loss_for_distribution(value, *args, **kwargs):
+        def replacement(value, *args, **kwargs):
             factor = self._factor()
             if factor is None:
                 return original(value, *args, **kwargs)
             import tensorflow as tf
 
-            return tf.math.divide_no_nan(value, tf.cast(factor, value.dtype))
+            return combine(value, tf.cast(factor, value.dtype))
 
-        return unscale_loss_for_distribution
+        return replacement
 
     def apply_after_all_reduce(self, original: Callable) -> Callable:
         """`TFOptimizer._backend_apply_gradients`: all-reduce first, then Keras' whole update."""
