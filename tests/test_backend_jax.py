@@ -1,4 +1,4 @@
-"""Multi-process acceptance tests of the JAX backend (`keras_mwms/backends/jax.py`).
+"""Multi-process acceptance tests of the JAX backend (`keras_mwms/backends/jax/`).
 
 Each scenario runs `tests/workers/jax_fit.py` once as a real gang (fit + evaluate + predict +
 dumps) and once as the single-process reference (no TF_CONFIG); the tests compare the dumps
@@ -39,7 +39,8 @@ SCENARIOS = {
                                            args=["--optimizer", "adam", "--shuffle", "--dropout", "0.2"],
                                            env={"JAX_NUM_CPU_DEVICES": "2"}),
     # The flat path (the default): 3 workers, tf.data at the global batch, Adam (12 steps),
-    # seeded differently, validation; the 16-row last batch splits 6/5/5 rows; two steps per
+    # seeded differently, validation; the 16-row last batch fills worker 0 (16/0/0 rows, as
+    # keras_mwms.data.replica_slices says; workers 1 and 2 step on a zero-weight row); two steps per
     # execution (Keras loops the flat step in Python: 6 steps an epoch = 3 executions).
     "tfdata_adam_3workers_flat": dict(workers=3, path="flat",
                                       args=["--input", "tfdata", "--optimizer", "adam", "--seed-per-worker",

@@ -87,9 +87,9 @@ def jax_data_parallel_fit(strategy, config: BenchmarkConfig, model_name: str, re
     """Keras' own, unpatched `fit` under the `DataParallel` distribution, fed this worker's shard."""
     import keras
 
-    from keras_mwms.backends import jax_patches
+    from keras_mwms.backends.jax import patches as jax_patches
 
-    plain_fit = jax_patches._state["originals"].get("fit") or keras.Model.fit
+    plain_fit = jax_patches.unpatched("fit")
     rows = local_rows(config, len(x), strategy.num_workers, strategy.worker_index)
     # keras_mwms' flat path leaves no distribution set globally: enter Keras' own DataParallel.
     distribution = strategy.backend.distribution

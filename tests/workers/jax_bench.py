@@ -23,7 +23,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_mwms  # noqa: E402
-from keras_mwms.backends import jax_patches  # noqa: E402
+from keras_mwms.backends.jax import patches as jax_patches  # noqa: E402
 from keras_mwms.data import worker_row_indices  # noqa: E402
 
 GLOBAL_BATCH, ROWS, EPOCHS = 64, 4096, 4
@@ -46,7 +46,7 @@ def build(path=None):
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
     if path is not None:
-        object.__setattr__(model, "_keras_mwms_jax_path", "dataparallel")
+        strategy.backend.pin_path(model, "dataparallel")
     return model
 
 
@@ -65,7 +65,7 @@ def steps_per_second(clock):
 
 
 rows = np.concatenate(worker_row_indices(ROWS, GLOBAL_BATCH, strategy.num_workers, strategy.worker_index))
-plain_fit = jax_patches._state["originals"].get("fit") or keras.Model.fit
+plain_fit = jax_patches.unpatched("fit")
 
 
 def fit_flat():

@@ -102,7 +102,7 @@ evaluation = model.evaluate(x, y, batch_size=48, verbose=0, return_dict=True)
 predictions = model.predict(x, batch_size=48, verbose=0)
 results = dict(history=history.history, evaluate=evaluation, fit_seconds=fit_seconds, num_weights=len(initial),
                replicas=strategy.num_replicas_in_sync, predict_shape=list(predictions.shape),
-               path=getattr(model, "_keras_mwms_jax_path", strategy.backend.path),
+               path=strategy.backend.model_path(model),
                predict_sum=float(np.sum(predictions, dtype=np.float64)))
 if arguments.primitives:
     backend = strategy.backend

@@ -2,10 +2,9 @@
 
 Why: under `keras.distribution.DataParallel`, XLA inserts a fused all-reduce of every gradient
 inside Keras' jitted step; on CPU gloo that is 1.4–6× slower than one all-reduce of a single
-flat vector (DESIGN.md §4). On this path every worker keeps ordinary single-device variables
-(identical everywhere: broadcast from the chief when `strategy.scope()` is left and at the
-start of every `fit` and `evaluate`)
-and Keras' train step is split in three:
+flat vector. On this path every worker keeps ordinary single-device variables (identical
+everywhere: broadcast from the chief when `strategy.scope()` is left and at the start of every
+`fit` and `evaluate`) and Keras' train step is split in three:
 
 1. a jitted **local** step on this worker's rows of the global batch: loss, gradients, metric
    updates; it returns the gradients times the local row count, flattened into one vector per
@@ -13,56 +12,67 @@ and Keras' train step is split in three:
 2. **one cross-process all-reduce** per dtype, *outside* Keras' jit (a cross-process `pmap`
    called inside another jit silently does not average, so it must not be);
 3. a jitted **apply**: divides by the global row count (the exact global-batch gradient even
-   for uneven shards) and runs `optimizer.stateless_apply`.
+   for uneven shards, and for a worker with no rows of a short last batch, which steps on a
+   zero-weight dummy row) and runs `optimizer.stateless_apply`.
 
 Metrics are updated locally; the summed metric states ride in the step's gradient all-reduce
 (max/min/first states take one all-gather), so every step returns GLOBAL batch logs and
 callbacks that stop on a logged value (TerminateOnNaN) decide alike on every worker. The local
 states are also combined whenever Keras computes results for the logs (end of every epoch, end
-of `evaluate`), so History and callbacks see global values everywhere. BatchNormalization moving statistics ride along in the flat vector (weighted
-by rows), so they never drift apart; the batch statistics themselves are per worker, which is
-why `auto` sends models with BatchNormalization (and models with their own `train_step`) to the
-DataParallel path, where XLA computes them over the global batch exactly as one process.
+of `evaluate`), so History and callbacks see global values everywhere. BatchNormalization
+moving statistics ride along in the flat vector (weighted by rows), so they never drift apart;
+the batch statistics themselves are per worker, which is why `auto` sends models with
+BatchNormalization (and models with their own `train_step`) to the DataParallel path, where
+XLA computes them over the global batch exactly as one process.
 
-Path choice: `KERAS_MWMS_JAX_PATH=auto` (default) | `flat` | `dataparallel`, see `requested_path`.
+Path choice: `CommunicationOptions(jax_path=...)` — `"auto"` (default), `"flat"` or
+`"dataparallel"` (environment override `KERAS_MWMS_JAX_PATH`), see `choose_path`.
+
+Example:
+
+>>> choose_path("auto", can_run=None), choose_path("auto", can_run="it overrides train_step")
+('flat', 'dataparallel')
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-PATH_ENV = "KERAS_MWMS_JAX_PATH"
-PATHS = ("auto", "flat", "dataparallel")
+from keras_mwms.backends import policy
+
 FLAT = "flat"
 DATA_PARALLEL = "dataparallel"
+SINGLE = "single"
 _MIN_BUCKET_WORDS = 256
 
 
-def requested_path() -> str:
-    """The training path asked for in `KERAS_MWMS_JAX_PATH` ("auto" when unset).
+def choose_path(requested: str, can_run: str | None) -> str:
+    """The path a model trains on when the cluster runs the flat path.
+
+    `requested` is `CommunicationOptions.jax_path`; `can_run` is `can_run_flat(model)` (None:
+    the flat path reproduces one process exactly).
 
     * `auto`: the flat path for models it can run exactly (no BatchNormalization, Keras' own
-      `train_step`), the DataParallel path for the others; DataParallel when a worker has
-      several local devices.
-    * `flat`: the flat path for every model (BatchNormalization then uses per-worker batch
-      statistics, as TensorFlow's MultiWorkerMirroredStrategy does with `synchronized=False`).
-    * `dataparallel`: `keras.distribution.DataParallel` over all global devices for everything.
+      `train_step`), the DataParallel path for the others;
+    * `flat`: the flat path for every model that keeps Keras' own `train_step`
+      (BatchNormalization then uses per-worker batch statistics, as TensorFlow's
+      MultiWorkerMirroredStrategy does with `synchronized=False`);
+    * `dataparallel`: `keras.distribution.DataParallel` over all global devices.
 
     Example:
 
-    >>> os.environ.pop(PATH_ENV, None) and None
-    >>> requested_path()
-    'auto'
+    >>> choose_path("flat", can_run="BatchNormalization needs global batch statistics")
+    'flat'
     """
-    value = os.environ.get(PATH_ENV, "auto").strip().lower() or "auto"
-    if value not in PATHS:
-        raise ValueError(f"{PATH_ENV}={value!r} is not a keras_mwms JAX path; use one of {', '.join(PATHS)}.")
-    return value
+    if can_run is None:
+        return FLAT
+    if can_run.startswith("it overrides") or requested != FLAT:
+        return DATA_PARALLEL
+    return FLAT
 
 
 def bucket_words(words: int) -> int:
@@ -175,28 +185,6 @@ def _batch_norm_statistics_indices(model) -> list[int]:
 
 
 # -- the split train step -----------------------------------------------------------------
-def _rows_of(x) -> int:
-    from keras.src import tree
-
-    for leaf in tree.flatten(x):
-        if leaf is not None and hasattr(leaf, "shape") and len(leaf.shape):
-            return int(leaf.shape[0])
-    return 0
-
-
-def _dummy_batch(x, y, sample_weight):
-    """One zero row shaped like the batch, weighted 0: a worker with no rows still runs the step."""
-    from keras.src import tree
-
-    def zero_row(leaf):
-        if leaf is None or not hasattr(leaf, "shape"):
-            return leaf
-        return np.zeros((1,) + tuple(leaf.shape[1:]), dtype=np.asarray(leaf).dtype if not hasattr(
-            leaf, "dtype") else leaf.dtype)
-
-    return tree.map_structure(zero_row, x), tree.map_structure(zero_row, y), np.zeros((1,), np.float32)
-
-
 def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[Callable], Any],
                          all_gather: Callable[[np.ndarray], np.ndarray]):
     """Keras' `train_step(state, data)` for `model`, split around one flat all-reduce per dtype.
@@ -213,7 +201,7 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
     statistics = _batch_norm_statistics_indices(model)
     # Metric states summed across workers ride in the gradient all-reduce (batch logs are then
     # global at no extra collective); max/min/first states, if any, take one all-gather per step.
-    reductions = [metric_reduction(metric, variable) for metric in model.metrics for variable in metric.variables]
+    reductions = [policy.metric_reduction(metric, variable) for metric in model.metrics for variable in metric.variables]
     summed = [i for i, op in enumerate(reductions) if op == "sum"]
     gathered = [i for i, op in enumerate(reductions) if op != "sum"]
     metric_dtypes = [str(variable.dtype) for variable in model.metrics_variables]
@@ -285,13 +273,13 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
     def train_step(state, data):
         trainable, non_trainable, optimizer_variables, metrics = state
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        rows = _rows_of(x)
-        if rows == 0:
-            x, y, sample_weight = _dummy_batch(x, y, sample_weight)
+        rows = policy.rows_of(x)
+        if rows == 0:   # no rows of a short last batch: one zero-weight row joins the collectives
+            x, y, sample_weight = policy.dummy_row(x), policy.dummy_row(y), np.zeros((1,), np.float32)
         payloads, new_non_trainable, new_metrics, logs, local_gathered = local_jit(
             trainable, non_trainable, optimizer_variables, metrics, x, y, sample_weight, np.float32(rows))
         sums = guard(lambda: [collectives.all_reduce_sum(payload) for payload in payloads])
-        reduced = guard(lambda: reduce_gathered(local_gathered)) if gathered else []
+        reduced = guard(lambda: gather_and_reduce(local_gathered)) if gathered else []
         trainable, new_non_trainable, optimizer_variables, global_logs = apply_jit(
             trainable, new_non_trainable, optimizer_variables, new_metrics, sums, reduced)
         # Batch logs are global, as on TensorFlow and torch: callbacks that stop on a logged value
@@ -301,13 +289,13 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
             logs = global_logs
         return logs, (trainable, new_non_trainable, optimizer_variables, new_metrics)
 
-    def reduce_gathered(values):
+    def gather_and_reduce(values):
         flat = np.concatenate([np.asarray(value, np.float64).ravel() for value in values])
         parts = all_gather(flat)
         out, offset = [], 0
         for i, value in zip(gathered, values):
             size = int(np.size(value))
-            out.append(_reduce_parts(parts[:, offset:offset + size], reductions[i]))
+            out.append(policy.reduce_gathered(parts[:, offset:offset + size], reductions[i]))
             offset += size
         return out
 
@@ -319,85 +307,16 @@ def skip_empty_test_step(model, test_step: Callable) -> Callable:
 
     def step(state, data):
         x = data[0] if isinstance(data, (tuple, list)) else data
-        if _rows_of(x) == 0:
+        if policy.rows_of(x) == 0:
             return {}, state
         return test_step(state, data)
 
     return step
 
 
-# -- metrics ------------------------------------------------------------------------------
-def metric_reduction(metric, variable) -> str:
-    """How a metric state variable combines across workers: "sum", "max", "min" or "first".
-
-    Same rule as on torch: `keras_mwms_reductions = {"name": op}` on the metric wins; variables
-    named max/min use max/min; `only_first_replica` ones come from the chief; the rest (totals,
-    counts, confusion matrices) are summed.
-    """
-    declared = getattr(metric, "keras_mwms_reductions", {}) or {}
-    name = variable.name.rsplit("/", 1)[-1]
-    if name in declared:
-        return declared[name]
-    if name.lower() in ("max", "maximum"):
-        return "max"
-    if name.lower() in ("min", "minimum"):
-        return "min"
-    if getattr(variable, "aggregation", "sum") == "only_first_replica":
-        return "first"
-    return "sum"
-
-
-def _reduce_parts(parts: np.ndarray, op: str) -> np.ndarray:
-    """Combines the workers' rows of `parts` (worker order, so every worker gets the same bits)."""
-    if op == "first":
-        return parts[0]
-    if op == "max":
-        return parts.max(axis=0)
-    if op == "min":
-        return parts.min(axis=0)
-    value = parts[0].copy()
-    for part in parts[1:]:
-        value = value + part
-    return value
-
-
-class global_metric_state:
-    """Context: the model's metric variables hold the global (all-worker) state, then local again.
-
-    One all-gather of every metric state (flat per dtype), reduced in worker order, so every
-    worker computes identical results.
-    """
-
-    def __init__(self, model, gather: Callable[[np.ndarray], np.ndarray]):
-        self.model = model
-        self.gather = gather
-
-    def __enter__(self):
-        pairs = [(metric, variable) for metric in self.model.metrics for variable in metric.variables]
-        self.pairs = pairs
-        self.saved = [np.asarray(variable.value) for _, variable in pairs]
-        for dtype in dict.fromkeys(value.dtype for value in self.saved):
-            indices = [i for i, value in enumerate(self.saved) if value.dtype == dtype]
-            gathered = self.gather(np.concatenate([self.saved[i].ravel() for i in indices]))
-            offset = 0
-            for i in indices:
-                size = self.saved[i].size
-                parts = gathered[:, offset:offset + size]
-                offset += size
-                value = _reduce_parts(parts, metric_reduction(*pairs[i]))
-                pairs[i][1].assign(value.reshape(self.saved[i].shape).astype(dtype))
-        return self
-
-    def __exit__(self, *exc):
-        for (_, variable), saved in zip(self.pairs, self.saved):
-            variable.assign(saved)
-        return False
-
-
-def warn_flat_batch_norm(model) -> None:
-    reason = can_run_flat(model)
-    if reason:
-        warnings.warn(f"{PATH_ENV}=flat: {type(model).__name__} runs on the flat path although {reason}; "
-                      "BatchNormalization uses per-worker batch statistics (moving statistics stay "
-                      "identical), so results differ from one process. Use "
-                      f"{PATH_ENV}=auto for global statistics.", stacklevel=3)
+def warn_flat_batch_norm(model, reason: str) -> None:
+    """Warns that `model` runs on the flat path although it cannot reproduce one process there."""
+    warnings.warn(f"jax_path='flat' (KERAS_MWMS_JAX_PATH=flat): {type(model).__name__} runs on the "
+                  f"flat path although {reason}; BatchNormalization uses per-worker batch statistics "
+                  "(moving statistics stay identical), so results differ from one process. Use "
+                  "jax_path='auto' (KERAS_MWMS_JAX_PATH=auto) for global statistics.", stacklevel=4)

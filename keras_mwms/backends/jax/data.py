@@ -1,23 +1,25 @@
-"""Global batches → JAX global arrays, for `model.fit` / `evaluate` / `predict` on several workers.
+"""Global batches → what the JAX step consumes, for `model.fit` / `evaluate` / `predict` on several workers.
 
 Keras' multi-process JAX path feeds each process's rows through
 `jax.make_array_from_process_local_data`, which needs the *same* local shape on every process:
 numpy input is refused, uneven shards hang and a partial last batch crashes. keras_mwms instead
-reads the **global** batch on every worker (arrays, `tf.data`, `PyDataset`, generators) and
-turns it into one global `jax.Array` itself:
+reads the **global** batch on every worker (arrays, `tf.data`, `PyDataset`, generators) through
+Keras' own data adapters — so batches, packing and the shuffled order are plain Keras' — and
+places it itself, one placer per path:
 
-* a global batch whose rows divide evenly over all replicas is **sharded**: worker w hands
-  JAX only its contiguous block of rows (`keras_mwms.data.replica_slices` order), and each of its
-  local devices gets its sub-block;
-* any other batch (a partial last batch, or a global batch that does not divide by the replica
-  count) is **replicated**: every worker feeds all of its rows and each device computes the
-  whole batch. The result is exactly the single-process step (same rows, same loss
-  denominator, same BatchNormalization statistics), with no padding and no hang.
+* the **flat path** (`LocalRowsPlacer`): this worker's rows of every global batch, as numpy,
+  following `keras_mwms.data.replica_slices` — the global batch is split in rank order and a
+  short last batch fills the workers in order, so trailing workers may get no rows (their step
+  runs on a zero-weight row, see `keras_mwms.backends.jax.flat`);
+* the **DataParallel path** (`GlobalArrayPlacer`): one global `jax.Array` per leaf, sharded when
+  the batch divides evenly over all replicas and replicated otherwise (see its docstring for
+  why a short batch cannot follow `replica_slices` there);
+* **every row** (`IdentityPlacer`): one device, or a multi-worker `predict`, where each worker
+  computes every row it is given.
 
-Keras' own data adapters read the global batches, so batches, packing and the shuffled order
-are plain Keras': `shuffle=True` draws from NumPy's global RNG (arrays) or Python's `random`
-(PyDataset), whose states every worker takes from the chief at `fit` entry — the same global
-batches on every worker, in the order one process with the chief's seed draws.
+`shuffle=True` draws from NumPy's global RNG (arrays) or Python's `random` (PyDataset), whose
+states every worker takes from the chief at `fit` entry — the same global batches on every
+worker, in the order one process with the chief's seed draws.
 """
 
 from __future__ import annotations
@@ -75,7 +77,20 @@ class AdapterSource(GlobalBatchSource):
 
 
 class GlobalArrayPlacer:
-    """Turns one global numpy batch into global `jax.Array`s, sharded or replicated (see module doc).
+    """Turns one global numpy batch into global `jax.Array`s, sharded or replicated.
+
+    A global batch whose rows divide evenly over all replicas is **sharded**: worker w hands JAX
+    only its contiguous block of rows (the `keras_mwms.data.replica_slices` block, equal for
+    every replica), and each of its local devices gets its sub-block. Any other batch (a short
+    last batch, or one that does not divide by the replica count) is **replicated**: every
+    worker feeds all of its rows and each device computes the whole batch.
+
+    Why a short batch does not follow `replica_slices` here: Keras' step is one SPMD program
+    over a global array, and a batch-sharded `NamedSharding` gives every device an equal
+    shard, so "the first replicas full, the last ones empty" cannot be expressed; padding the
+    shards would change the loss denominator and the BatchNormalization statistics. The
+    replicated step computes exactly what one process computes on that batch (same rows, same
+    loss denominator, same statistics), with no padding and no hang.
 
     Args:
         mesh: the `jax.sharding.Mesh` of all global devices, ordered worker by worker.
@@ -134,20 +149,26 @@ class GlobalArrayPlacer:
 class LocalRowsPlacer:
     """The flat path's placement: this worker's contiguous rows of each global batch, as numpy.
 
-    Rows follow `keras_mwms.data.replica_slices` (the first workers get one row more when the
-    batch does not divide), so a worker may get no row of a tiny last batch; the flat step
-    handles that.
+    Rows follow `keras_mwms.data.replica_slices(global_batch_size, num_workers, rows)`: a full
+    batch is split in rank order (the first workers get one row more when it does not
+    divide), a short last batch fills the workers in order, so trailing workers may get no row;
+    the flat step then runs on a zero-weight row. Each step's gradient is weighted by its rows,
+    so the result is one process's. `global_batch_size` defaults to the largest batch seen
+    (the first, for every input Keras batches).
 
     Example:
 
     >>> placer = LocalRowsPlacer(num_workers=3, worker_index=1)
     >>> placer.place((np.arange(7), None, None))[0].tolist()
     [3, 4]
+    >>> placer.place((np.arange(4), None, None))[0].tolist()    # short last batch: 3, 1, 0 rows
+    [3]
     """
 
-    def __init__(self, num_workers: int, worker_index: int):
+    def __init__(self, num_workers: int, worker_index: int, global_batch_size: int | None = None):
         self._num_workers = num_workers
         self._worker_index = worker_index
+        self._global_batch_size = global_batch_size or 0
 
     def place(self, batch: Any) -> Any:
         from keras.src import tree
@@ -156,13 +177,26 @@ class LocalRowsPlacer:
 
         leaves = [leaf for leaf in tree.flatten(batch) if leaf is not None]
         rows = int(np.shape(leaves[0])[0]) if leaves else 0
-        first, last = replica_slices(rows, self._num_workers)[self._worker_index] if rows else (0, 0)
+        self._global_batch_size = max(self._global_batch_size, rows)
+        first, last = ((0, 0) if not rows else
+                       replica_slices(self._global_batch_size, self._num_workers, rows)[self._worker_index])
         return tree.map_structure(lambda leaf: None if leaf is None else np.asarray(leaf)[first:last],
                                   batch, none_is_leaf=True)
 
     @staticmethod
     def place_local_part(batch: Any) -> Any:
         return batch
+
+
+class IdentityPlacer:
+    """Every row as it comes: one device (plain Keras places the numpy batches itself), or a
+    multi-worker `predict`, which computes every row it is given on this worker."""
+
+    @staticmethod
+    def place(batch: Any) -> Any:
+        return batch
+
+    place_local_part = place
 
 
 class LocalPartSource(GlobalBatchSource):
@@ -178,7 +212,7 @@ class LocalPartSource(GlobalBatchSource):
             yield tuple(batch) if isinstance(batch, list) else batch
 
 
-def make_global_batch_adapter(source: GlobalBatchSource, placer: GlobalArrayPlacer):
+def make_global_batch_adapter(source: GlobalBatchSource, placer: Any):
     """A Keras `DataAdapter` yielding `placer`-placed global batches of `source`."""
     from keras.src.trainers.data_adapters.data_adapter import DataAdapter
 
@@ -289,3 +323,53 @@ class DistributedDataset:
         """This worker's batch of every step, local replicas concatenated (what `fit` consumes)."""
         for value in self._make_iterator():
             yield self._local_batch_of(value)
+
+
+# -- from fit/evaluate/predict arguments to an adapter ------------------------------------
+EVERY_ROW = "every-row"
+
+
+def adapter_for(backend: Any, path: str, x: Any, y: Any = None, sample_weight: Any = None,
+                batch_size: int | None = None, steps: int | None = None, shuffle: bool | str = False,
+                class_weight: dict | None = None) -> Any:
+    """The Keras `DataAdapter` feeding `path` ("flat", "dataparallel", "single" or `EVERY_ROW`).
+
+    A `DataAdapter` passes through (fit's validation reuses its own); a `DistributedDataset`
+    feeds this worker's parts; anything else goes through Keras' own adapter first.
+    """
+    from keras.src.trainers.data_adapters.data_adapter import DataAdapter
+
+    if isinstance(x, DataAdapter):
+        return x
+    if isinstance(x, DistributedDataset):
+        source: GlobalBatchSource = LocalPartSource(x)
+    else:
+        if shuffle and shuffles_globally(x, y, sample_weight):
+            align_shuffle_state(backend)
+        source = make_source(x, y, sample_weight, batch_size, steps, shuffle, class_weight)
+    return make_global_batch_adapter(source, placer_for(backend, path, source.batch_size))
+
+
+def placer_for(backend: Any, path: str, global_batch_size: int | None = None) -> Any:
+    """How a global batch reaches the step: global arrays (DataParallel), this worker's rows
+    (flat), or untouched (one device, and `EVERY_ROW`)."""
+    from keras_mwms.backends.jax.flat import FLAT
+
+    if backend.mesh is None or path == EVERY_ROW:
+        return IdentityPlacer()
+    if path == FLAT:
+        return LocalRowsPlacer(backend.num_workers, backend.worker_index, global_batch_size)
+    return GlobalArrayPlacer(backend.mesh, backend.distribution.batch_dim_name,
+                             backend.num_workers, backend.worker_index)
+
+
+def align_shuffle_state(backend: Any) -> None:
+    """Keras shuffles arrays with NumPy's global RNG and a PyDataset's batch order with Python's
+    `random`: workers take the chief's states (the chief keeps its own, so its order is the one
+    plain Keras draws in one process with the same seeds), so every worker cuts the same global
+    batches."""
+    import random
+
+    python_state, numpy_state = backend.broadcast_object((random.getstate(), np.random.get_state()))
+    random.setstate(python_state)
+    np.random.set_state(numpy_state)

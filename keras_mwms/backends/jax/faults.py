@@ -1,0 +1,226 @@
+"""Lost-worker forensics on JAX: which peer is gone, named in `keras_mwms.WorkerLostError`.
+
+A gloo or coordination-service failure says little about *who* failed ("Connection reset by
+peer"). At start-up every worker publishes its host and process id through JAX's coordination
+service; when a collective fails with an error that looks like a lost peer, the worker
+
+1. announces that it survived (so the other survivors do not name it),
+2. finds the dead peers — a local peer whose process is gone, a remote one the coordination
+   service no longer lists as live — retrying for a few seconds,
+3. hands them to `Backend.worker_lost`, which raises the one `WorkerLostError` and arms the
+   bounded exit (`CommunicationOptions.lost_worker_exit_seconds`).
+
+JAX cannot leave a broken cluster cleanly: its shutdown barrier waits for the dead peer. So the
+interpreter's exit skips it (`exit_now_if_lost`, registered after JAX's own exit hook so it runs
+first); the chief lingers a few seconds there, because it hosts the coordination service the
+other survivors still need to name the lost worker. A worker whose `fit`/`evaluate`/`predict`
+raised for its own reasons (`failed`, e.g. an exception in a callback) also leaves without the
+barrier, so its peers' next collective fails at once and they name it.
+
+Example:
+
+>>> looks_like_lost_peer(RuntimeError("Gloo connectFullMesh failed: Connection reset by peer"))
+True
+>>> looks_like_lost_peer(ValueError("Incompatible shapes"))
+False
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from keras_mwms.errors import WorkerLostError
+
+LOST_WORKER_EXIT_CODE = 3
+CHIEF_LINGER_SECONDS = 6.0
+FIND_DEAD_SECONDS = 5.0
+_LOST_PEER_WORDS = ("Gloo", "gloo", "Connection reset", "connection", "Connection closed", "UNAVAILABLE",
+                    "heartbeat", "Socket", "socket", "DEADLINE_EXCEEDED", "Broken pipe", "peer")
+
+
+def looks_like_lost_peer(error: BaseException) -> bool:
+    """True when a JAX runtime error reads like a dead or unreachable peer (jaxlib has no type for it)."""
+    text = str(error)
+    return any(word in text for word in _LOST_PEER_WORDS)
+
+
+def coordination_client() -> Any:
+    """The `jax.distributed` coordination-service client of this process."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+class LostWorkerForensics:
+    """Names the peers behind a failed collective and ends this worker without JAX's shutdown hang.
+
+    Held by `JaxBackend` as `backend.faults`; `backend` offers `num_workers`, `worker_index`,
+    `is_chief`, `collective_timeout_seconds` and `worker_lost(where, error, lost_ranks)`.
+    """
+
+    def __init__(self, backend: Any):
+        self.backend = backend
+        self.peers: dict[int, dict] = {}
+        self.lost = False
+        self.failed: str | None = None   # "<Error> in model.fit" when the user's call raised here
+
+    # -- start-up --------------------------------------------------------------------------
+    def publish_identity(self) -> None:
+        """Shares (host, pid) of every worker, so a lost local peer can be named at once."""
+        client = coordination_client()
+        me = {"host": socket.gethostname(), "pid": os.getpid()}
+        client.key_value_set(f"keras_mwms/identity/{self.backend.worker_index}", json.dumps(me))
+        timeout_ms = int(self.backend.collective_timeout_seconds * 1000)
+        for index in range(self.backend.num_workers):
+            text = client.blocking_key_value_get(f"keras_mwms/identity/{index}", timeout_ms)
+            self.peers[index] = json.loads(text)
+
+    # -- failures --------------------------------------------------------------------------
+    def guard(self, where: str, call: Callable[[], Any]) -> Any:
+        """`call()`; a failure caused by a lost peer becomes `WorkerLostError` naming it."""
+        try:
+            return call()
+        except Exception as error:  # noqa: BLE001 - jaxlib's runtime errors have no stable public type
+            self.check(error, where)
+            raise
+
+    def check(self, error: BaseException, where: str) -> None:
+        """Raises `WorkerLostError` (via `backend.worker_lost`) when `error` comes from a lost peer."""
+        if self.backend.num_workers == 1 or isinstance(error, WorkerLostError):
+            return
+        if not looks_like_lost_peer(error):
+            return
+        self._announce_survival()
+        dead: list[int] = []
+        deadline = time.monotonic() + FIND_DEAD_SECONDS
+        while not dead and time.monotonic() < deadline:
+            dead = self.dead_peers()
+            if not dead:
+                time.sleep(0.2)
+        self.lost = True
+        self.backend.worker_lost(where, error, dead)
+
+    def running_user_code(self, where: str, call: Callable[[], Any]) -> Any:
+        """`fit`/`evaluate`/`predict`: a lost peer becomes `WorkerLostError`; any other exception
+        marks this worker as failed, so its interpreter exit skips JAX's shutdown barrier and
+        the peers learn at once which worker is gone. A later call that returns cleanly (the
+        caller handled the error) clears the mark."""
+        try:
+            result = self.guard(where, call)
+        except Exception as error:
+            if self.backend.num_workers > 1 and not isinstance(error, WorkerLostError):
+                self.failed = f"{type(error).__name__} in {where}"
+            raise
+        self.failed = None
+        return result
+
+    def dead_peers(self) -> list[int]:
+        """Ranks of the peers found dead: local ones by process id, remote ones by the live list."""
+        here = socket.gethostname()
+        dead, remote = [], []
+        survivors = self._survivors()
+        for index, peer in self.peers.items():
+            if index == self.backend.worker_index or index in survivors:
+                continue
+            if peer.get("host") == here:
+                if not process_alive(int(peer["pid"])):
+                    dead.append(index)
+            else:
+                remote.append(index)
+        if remote:
+            live = self._live_nodes(remote)
+            dead += [index for index in remote if index not in live]
+        return sorted(dead)
+
+    def _announce_survival(self) -> None:
+        """Tells peers this worker saw the failure itself, so they do not name it as the lost one."""
+        key = f"keras_mwms/survivor/{self.backend.worker_index}"
+        _bounded(lambda: coordination_client().key_value_set(key, "1", allow_overwrite=True), 2.0)
+
+    def _survivors(self) -> set[int]:
+        found: set[int] = set()
+
+        def ask():
+            client = coordination_client()
+            for index in range(self.backend.num_workers):
+                try:
+                    if client.key_value_try_get(f"keras_mwms/survivor/{index}"):
+                        found.add(index)
+                except Exception:  # noqa: BLE001 - "not found" is an exception in jaxlib
+                    pass
+
+        _bounded(ask, 2.0)
+        return found
+
+    def _live_nodes(self, indices: list[int]) -> set[int]:
+        result: dict = {}
+
+        def ask():
+            try:
+                result.update(coordination_client().get_live_nodes(indices))
+            except Exception:  # noqa: BLE001 - an unreachable coordinator means the chief is gone
+                result["error"] = True
+
+        if not _bounded(ask, 5.0) or "error" in result:
+            return set(indices) - {0}
+        return {int(index) for index in result}
+
+    # -- exit ------------------------------------------------------------------------------
+    def exit_now_if_lost(self) -> None:
+        """Interpreter exit hook: leaves without JAX's shutdown barrier after a lost peer or a failure here."""
+        if not self.lost and self.failed is not None:
+            # fit/evaluate/predict raised here (e.g. in a callback) and the caller did not recover:
+            # JAX's shutdown barrier would hold this exit ~20 s while the peers wait in their next
+            # collective and then abort without a name. Leaving now closes the gloo connections,
+            # so every peer raises WorkerLostError naming this worker at once.
+            print(f"keras_mwms: worker {self.backend.worker_index} exits without JAX's shutdown "
+                  f"barrier after {self.failed}", file=sys.stderr, flush=True)
+            _exit(1)
+        if self.lost:
+            if self.backend.is_chief:
+                # The chief hosts JAX's coordination service; leaving at once would make the other
+                # survivors abort inside JAX before they could name the lost worker.
+                time.sleep(CHIEF_LINGER_SECONDS)
+            _exit(LOST_WORKER_EXIT_CODE)
+
+
+def _bounded(function: Callable[[], None], seconds: float) -> bool:
+    """Runs `function` in a daemon thread for at most `seconds`; True if it finished."""
+    thread = threading.Thread(target=function, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return not thread.is_alive()
+
+
+def _exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def process_alive(pid: int) -> bool:
+    """True if `pid` runs on this host and is not a zombie.
+
+    Example:
+
+    >>> process_alive(os.getpid())
+    True
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True

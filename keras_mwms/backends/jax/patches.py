@@ -1,0 +1,437 @@
+"""The private-Keras patches keras_mwms applies on the JAX backend: one `PatchTable`, `PATCHES`.
+
+The strategy installs the table after `JaxBackend.join()` and `strategy.close()` removes it.
+Every replacement asks `keras_mwms.active.active_backend()` and calls the original Keras code
+unchanged when no keras_mwms strategy is active; wrappers forward `*args, **kwargs`.
+
+Collectives happen only where every worker goes: leaving `strategy.scope()`, the entry and the
+steps of `fit`/`evaluate`, the callbacks' coordination. Every path one worker may run alone
+(`save`, `save_weights`, `export`, `load_model`, building a model or optimizer, `predict`)
+enters none — a variable created on the chief alone must not wait for the others.
+
+The rows, by what they achieve:
+
+* **local variable creation** (`local-replicated-arrays`, `note-new-variable`,
+  `note-new-variable-initializer`) — Keras places a new replicated variable with
+  `jax.device_put`, which across processes asserts the value is equal everywhere (a collective,
+  which aborts when workers seed differently). A new variable keeps its local value instead (a
+  global array built without communication); those created in `strategy.scope()` take the
+  chief's values when the scope is left (`JaxBackend.scope`).
+* **state at entry** (inside `flat-train-step` and `flat-test-step`) — the whole model,
+  optimizer and metric state is broadcast from the chief in one collective at the entry of
+  every `fit` and `evaluate`, so values set on one worker alone (`load_weights` on the chief,
+  variables built lazily with a per-worker seed) never reach a training step.
+* **global batches** (`fit-global-batches`, `evaluate-global-batches`, `arrays-pass-through`) —
+  Keras' multi-process `fit`/`evaluate` refuse numpy input, hang on uneven shards and crash on
+  a partial last batch (auto-sharding needs equal local shapes). keras_mwms reads the global
+  batch on every worker and places it itself (`keras_mwms.backends.jax.data`); Keras'
+  `_distribute_data` lets such arrays through untouched. Uneven arrays are a clear error on
+  every worker; only the chief prints progress (the logs stay global everywhere).
+* **local predict** (`predict-local`, `predict-local-function`) — `predict` fails with
+  "Fetching value for jax.Array that spans non-addressable devices"; each worker computes every
+  row it is given on its own device, from its copy of the variables, with no collective.
+* **flat step** (`flat-train-step`, `flat-test-step`, `global-metrics`) — on the flat path
+  (`keras_mwms.backends.jax.flat`) the train step is split around one flat all-reduce, a worker
+  with no rows of a step leaves its metric state alone, and results come from the all-worker
+  metric state.
+
+A lost peer during any of them becomes `keras_mwms.WorkerLostError` naming it
+(`keras_mwms.backends.jax.faults`).
+
+Example:
+
+>>> [row.name for row in PATCHES][:3]
+['local-replicated-arrays', 'note-new-variable', 'note-new-variable-initializer']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+
+import numpy as np
+
+from keras_mwms import active
+from keras_mwms.backends import policy
+from keras_mwms.backends.jax import data, flat
+from keras_mwms.backends.patches import Patch, PatchTable
+from keras_mwms.data import first_batch_digest
+
+_TRAINER = "keras.src.backend.jax.trainer:JAXTrainer."
+
+
+def _backend():
+    """The active strategy's JAX backend, or None when keras_mwms is not in charge."""
+    return active.active_backend()
+
+
+def _several_workers():
+    backend = _backend()
+    return backend if backend is not None and backend.num_workers > 1 else None
+
+
+# -- local variable creation --------------------------------------------------------------
+def _local_replicated_arrays(original):
+    def distribute_tensor(tensor, layout):
+        """A replicated global array built from this worker's value, with no communication."""
+        import jax
+        from jax.sharding import NamedSharding
+        from keras.src.distribution import TensorLayout
+        from keras.src.utils import jax_utils
+
+        if _several_workers() is None or jax_utils.is_in_jax_tracing_scope(tensor):
+            return original(tensor, layout)
+        if isinstance(tensor, jax.Array) and isinstance(tensor.sharding, NamedSharding):
+            return original(tensor, layout)
+        sharding = layout.backend_layout if isinstance(layout, TensorLayout) else layout
+        if not (isinstance(sharding, NamedSharding) and sharding.is_fully_replicated):
+            return original(tensor, layout)
+        value = np.asarray(tensor)
+        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+    return distribute_tensor
+
+
+def _noting_new_variables(original):
+    @functools.wraps(original)
+    def initialize(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        backend = _several_workers()
+        if backend is not None:
+            import jax
+            from keras.src.backend.common.stateless_scope import in_stateless_scope
+            from keras.src.utils import jax_utils
+
+            current = self._value
+            if (isinstance(current, jax.Array) and not in_stateless_scope()
+                    and not jax_utils.is_in_jax_tracing_scope(current)):
+                backend.note_new_variable(self)
+        return result
+
+    return initialize
+
+
+# -- global batches -----------------------------------------------------------------------
+def _arrays_pass_through(original):
+    def distribute_data(data_, layouts=None):
+        import jax
+        from jax.sharding import NamedSharding
+        from keras.src import tree
+
+        leaves = [leaf for leaf in tree.flatten(data_) if leaf is not None]
+        if leaves and all(isinstance(leaf, jax.Array) and isinstance(leaf.sharding, NamedSharding)
+                          for leaf in leaves):
+            return data_
+        return original(data_, layouts)
+
+    return distribute_data
+
+
+def _quiet_unless_chief(backend, verbose):
+    return verbose if backend.is_chief else 0
+
+
+def _fit_global_batches(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def fit(self, *args, **kwargs):
+        backend = _backend()
+        if backend is None:
+            return original(self, *args, **kwargs)
+        from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
+
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        values = bound.arguments
+        x, y, sample_weight = values["x"], values["y"], values["sample_weight"]
+        backend.check_tf_config_unchanged(stacklevel=2)
+        digest = None if data.shard_policy_is_off(x) else first_batch_digest(x)
+        policy.check_same_rows(backend, x, "model.fit()", digest=digest)
+        validation_data = values["validation_data"]
+        if values["validation_split"] and validation_data is None:
+            (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
+                (x, y, sample_weight), validation_split=values["validation_split"])
+        path = backend.model_path(self)
+        backend.models.of(self).synced = False   # the state is broadcast at this fit
+        train = data.adapter_for(backend, path, x, y, sample_weight, values["batch_size"],
+                                 values["steps_per_epoch"], values["shuffle"], values["class_weight"])
+        if validation_data is not None:
+            val_x, val_y, val_sample_weight = data_adapter_utils.unpack_x_y_sample_weight(validation_data)
+            validation_data = (data.adapter_for(
+                backend, path, val_x, val_y, val_sample_weight,
+                values["validation_batch_size"] or values["batch_size"], values["validation_steps"]),)
+        values.update(x=train, y=None, batch_size=None, verbose=_quiet_unless_chief(backend, values["verbose"]),
+                      validation_split=0.0, validation_data=validation_data, shuffle=False,
+                      class_weight=None, sample_weight=None, validation_batch_size=None)
+        with _model_context(backend, self, path):
+            return backend.faults.running_user_code("model.fit", lambda: original(*bound.args, **bound.kwargs))
+
+    return fit
+
+
+def _evaluate_global_batches(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def evaluate(self, *args, **kwargs):
+        backend = _backend()
+        if backend is None:
+            return original(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        values = bound.arguments
+        policy.check_same_rows(backend, values["x"], "model.evaluate()")
+        if not kwargs.get("_use_cached_eval_dataset"):   # (fit's validation: the state is already agreed)
+            backend.models.of(self).synced = False
+        path = backend.model_path(self)
+        values.update(x=data.adapter_for(backend, path, values["x"], values["y"], values["sample_weight"],
+                                         values["batch_size"], values["steps"]),
+                      y=None, batch_size=None, sample_weight=None,
+                      verbose=_quiet_unless_chief(backend, values["verbose"]))
+        with _model_context(backend, self, path):
+            return backend.faults.running_user_code("model.evaluate",
+                                                    lambda: original(*bound.args, **bound.kwargs))
+
+    return evaluate
+
+
+def _model_context(backend, model, path):
+    """For a DataParallel model: its variables become global replicated arrays (no
+    communication; the state broadcast at entry then gives them the chief's values), also
+    those a local `predict` built; while the cluster runs the flat path, the DataParallel
+    distribution is entered for the call."""
+    if path != flat.DATA_PARALLEL or backend.mesh is None:
+        return contextlib.nullcontext()
+    _make_variables_global(backend, model)
+    return backend.distribution.scope() if backend.path == flat.FLAT else contextlib.nullcontext()
+
+
+def _make_variables_global(backend, model) -> None:
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    replicated = NamedSharding(backend.mesh, PartitionSpec())
+    device = jax.local_devices()[0]
+    for variable in flat.model_state_variables(model):
+        value = variable._value
+        if isinstance(value, jax.Array) and isinstance(value.sharding, NamedSharding):
+            continue
+        local = jax.device_put(value, device)
+        variable._value = jax.make_array_from_single_device_arrays(local.shape, replicated, [local])
+
+
+# -- local predict ------------------------------------------------------------------------
+def _predict_local(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def predict(self, *args, **kwargs):
+        backend = _backend()
+        if backend is None:
+            return original(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        values = bound.arguments
+        if backend.num_workers == 1:
+            path = backend.model_path(self)
+            values.update(x=data.adapter_for(backend, path, values["x"], None, None, values["batch_size"],
+                                             values["steps"]), batch_size=None)
+            with _model_context(backend, self, path):
+                return original(*bound.args, **bound.kwargs)
+        values.update(x=data.adapter_for(backend, data.EVERY_ROW, values["x"], None, None,
+                                         values["batch_size"], values["steps"]),
+                      batch_size=None, verbose=_quiet_unless_chief(backend, values["verbose"]))
+        with _without_distribution():
+            return backend.faults.running_user_code("model.predict",
+                                                    lambda: original(*bound.args, **bound.kwargs))
+
+    return predict
+
+
+def _predict_local_function(original):
+    def make_predict_function(self, *args, **kwargs):
+        """Each worker computes every row it is given on its first local device, from its own
+        copy of the variables (a DataParallel model's global replicated arrays included): full,
+        ordered outputs, the same on every worker that predicts, with no collective."""
+        if _several_workers() is None:
+            return original(self, *args, **kwargs)
+        if self.predict_function is not None and not _force(original, self, args, kwargs):
+            return self.predict_function
+        import jax
+
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+        def local_predict_step(state, batch):
+            return self.predict_step(state, batch)
+
+        if not self.run_eagerly and self.jit_compile:
+            local_predict_step = jax.jit(local_predict_step, in_shardings=device, out_shardings=device)
+
+        def local_copy(value):
+            if isinstance(value, jax.Array) and not value.is_fully_addressable:
+                value = value.addressable_data(0)
+            return jax.device_put(value, device)
+
+        def predict_step(state, batch):
+            trainable, non_trainable = state
+            outputs, non_trainable = local_predict_step(
+                ([local_copy(v) for v in trainable], [local_copy(v) for v in non_trainable]), batch)
+            return outputs, (trainable, non_trainable)
+
+        self.predict_function = self._make_function(predict_step, concatenate_outputs=True)
+        return self.predict_function
+
+    return make_predict_function
+
+
+@contextlib.contextmanager
+def _without_distribution():
+    """No Keras distribution for the call: data stays this worker's numpy batches."""
+    from keras.src.distribution import distribution_lib
+
+    previous = distribution_lib.distribution()
+    distribution_lib.set_distribution(None)
+    try:
+        yield
+    finally:
+        distribution_lib.set_distribution(previous)
+
+
+# -- flat step ----------------------------------------------------------------------------
+def _sync_state(backend, model) -> None:
+    """One broadcast of every model, optimizer and metric variable from the chief at the entry
+    of each `fit` and `evaluate` (every worker reaches it), so values set on one worker alone
+    (set_weights, load_weights, variables built lazily with a per-worker seed) cannot drift
+    into training."""
+    if backend.models.get(model, "synced", False):
+        return
+    variables = flat.model_state_variables(model)
+    values = backend.broadcast_arrays([np.asarray(variable.value) for variable in variables])
+    flat.assign_values(variables, values)
+    backend.models.of(model).synced = True
+
+
+def _force(original, self, args, kwargs) -> bool:
+    return bool(inspect.signature(original).bind(self, *args, **kwargs).arguments.get("force", False))
+
+
+def _on_flat_path(backend, model) -> bool:
+    return backend.model_path(model) == flat.FLAT
+
+
+def _flat_train_step(original):
+    def make_train_function(self, *args, **kwargs):
+        """The state at entry, then Keras' jitted step split around one flat gradient all-reduce."""
+        backend = _several_workers()
+        if backend is None:
+            return original(self, *args, **kwargs)
+        _sync_state(backend, self)
+        if not _on_flat_path(backend, self):
+            return original(self, *args, **kwargs)
+        if self.train_function is not None and not _force(original, self, args, kwargs):
+            return
+        step = flat.make_flat_train_step(
+            self, backend.collectives, lambda call: backend.faults.guard("gradient all-reduce", call),
+            backend.all_gather)
+        self.train_function = self._make_function(step)
+
+    return make_train_function
+
+
+def _flat_test_step(original):
+    def make_test_function(self, *args, **kwargs):
+        """The state at entry; on the flat path each worker evaluates its rows, and an empty
+        share leaves the state alone."""
+        backend = _several_workers()
+        if backend is None:
+            return original(self, *args, **kwargs)
+        _sync_state(backend, self)
+        if not _on_flat_path(backend, self):
+            return original(self, *args, **kwargs)
+        if self.test_function is not None and not _force(original, self, args, kwargs):
+            return
+        import jax
+
+        test_step = self.test_step
+        if not self.run_eagerly and self.jit_compile:
+            device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # one compile
+            test_step = jax.jit(self.test_step, donate_argnums=0, in_shardings=device, out_shardings=device)
+        self.test_function = self._make_function(flat.skip_empty_test_step(self, test_step))
+
+    return make_test_function
+
+
+def _global_metrics(original):
+    def get_metrics_result_or_logs(self, logs, *args, **kwargs):
+        """On the flat path, results come from the all-worker metric state."""
+        backend = _several_workers()
+        if backend is None or not _on_flat_path(backend, self):
+            return original(self, logs, *args, **kwargs)
+        with policy.GlobalMetricState(self, backend):
+            metric_logs = self.get_metrics_result()
+        if not logs or (isinstance(logs, dict) and set(logs) == set(metric_logs)):
+            return metric_logs
+        return logs
+
+    return get_metrics_result_or_logs
+
+
+def unpatched(method_name: str):
+    """Keras' own `JAXTrainer.<method_name>`, also while the table is installed (for the
+    benchmark's plain-Keras peer).
+
+    Example:
+
+    >>> unpatched("fit").__name__
+    'fit'
+    """
+    from keras.src.backend.jax.trainer import JAXTrainer
+
+    method = getattr(JAXTrainer, method_name)
+    return method.__wrapped__ if PATCHES.installed and hasattr(method, "__wrapped__") else method
+
+
+_FIT_PARAMETERS = ("x", "y", "batch_size", "verbose", "validation_split", "validation_data", "shuffle",
+                   "class_weight", "sample_weight", "steps_per_epoch", "validation_steps",
+                   "validation_batch_size")
+
+PATCHES = PatchTable("jax", [
+    Patch("local-replicated-arrays", "keras.src.backend.jax.distribution_lib:distribute_tensor",
+          _local_replicated_arrays, parameters=("tensor", "layout"),
+          works_around="jax.device_put of a replicated variable across processes asserts equal "
+                       "values (a collective): a worker creating a variable alone hangs or aborts"),
+    Patch("note-new-variable", "keras.src.backend.jax.core:JaxVariable._initialize",
+          _noting_new_variables, parameters=("value",),
+          works_around="no hook when a variable is created: those created in strategy.scope() "
+                       "must take the chief's values at its exit"),
+    Patch("note-new-variable-initializer",
+          "keras.src.backend.jax.core:JaxVariable._initialize_with_initializer",
+          _noting_new_variables, parameters=("initializer",),
+          works_around="the same for variables created from an initializer"),
+    Patch("arrays-pass-through", "keras.src.backend.jax.trainer:_distribute_data",
+          _arrays_pass_through, parameters=("data",),
+          works_around="Keras re-distributes batches keras_mwms already placed as global arrays"),
+    Patch("fit-global-batches", _TRAINER + "fit", _fit_global_batches, parameters=_FIT_PARAMETERS,
+          works_around="multi-process fit refuses numpy input, hangs on uneven shards and crashes "
+                       "on a partial last batch (auto-sharding needs equal local shapes)"),
+    Patch("evaluate-global-batches", _TRAINER + "evaluate", _evaluate_global_batches,
+          parameters=("x", "y", "batch_size", "verbose", "sample_weight", "steps"),
+          works_around="the same for evaluate; fit's validation reuses its cached adapter"),
+    Patch("predict-local", _TRAINER + "predict", _predict_local,
+          parameters=("x", "batch_size", "verbose", "steps"),
+          works_around="predict fails with 'Fetching value for jax.Array that spans "
+                       "non-addressable devices' and would enter collectives one worker may skip"),
+    Patch("predict-local-function", _TRAINER + "make_predict_function", _predict_local_function,
+          parameters=("force",), works_around="the same: a local jitted predict step on one device"),
+    Patch("flat-train-step", _TRAINER + "make_train_function", _flat_train_step,
+          parameters=("force",),
+          works_around="XLA's fused gradient all-reduce is 1.4-6x slower than one flat all-reduce "
+                       "on CPU gloo; variables set on one worker alone would drift into training"),
+    Patch("flat-test-step", _TRAINER + "make_test_function", _flat_test_step,
+          parameters=("force",), works_around="the flat path's evaluate: a worker may have no rows"),
+    Patch("global-metrics", _TRAINER + "_get_metrics_result_or_logs", _global_metrics,
+          parameters=("logs",), works_around="flat-path metric results must come from every "
+                                              "worker's state, not this worker's rows"),
+])
