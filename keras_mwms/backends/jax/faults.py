@@ -17,12 +17,11 @@ other survivors still need to name the lost worker. A worker whose `fit`/`evalua
 raised for its own reasons (`failed`, e.g. an exception in a callback) also leaves without the
 barrier, so its peers' next collective fails at once and they name it.
 
-Example:
+Example (an error that reads like a lost peer, and one that does not):
 
->>> looks_like_lost_peer(RuntimeError("Gloo connectFullMesh failed: Connection reset by peer"))
-True
->>> looks_like_lost_peer(ValueError("Incompatible shapes"))
-False
+>>> [looks_like_lost_peer(error) for error in (RuntimeError("Gloo: Connection reset by peer"),
+...                                            ValueError("Incompatible shapes"))]
+[True, False]
 """
 
 from __future__ import annotations

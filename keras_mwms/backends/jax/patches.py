@@ -132,69 +132,68 @@ def _quiet_unless_chief(backend, verbose):
     return verbose if backend.is_chief else 0
 
 
-def _fit_global_batches(original):
-    signature = inspect.signature(original)
+def _with_named_arguments(body):
+    """A replacement factory: the wrapper forwards `*args, **kwargs` to the original when no
+    strategy is active, else binds them to the original's signature and calls
+    `body(model, backend, values, call)` — `values` the named arguments (defaults filled in,
+    editable) and `call()` the original with them."""
+    def replacement(original):
+        signature = inspect.signature(original)
 
-    @functools.wraps(original)
-    def fit(self, *args, **kwargs):
-        backend = _backend()
-        if backend is None:
-            return original(self, *args, **kwargs)
-        from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
+        @functools.wraps(original)
+        def wrapper(self, *args, **kwargs):
+            backend = _backend()
+            if backend is None:
+                return original(self, *args, **kwargs)
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            return body(self, backend, bound.arguments, lambda: original(*bound.args, **bound.kwargs))
 
-        bound = signature.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        values = bound.arguments
-        x, y, sample_weight = values["x"], values["y"], values["sample_weight"]
-        backend.check_tf_config_unchanged(stacklevel=2)
-        digest = None if data.shard_policy_is_off(x) else first_batch_digest(x)
-        policy.check_same_rows(backend, x, "model.fit()", digest=digest)
-        validation_data = values["validation_data"]
-        if values["validation_split"] and validation_data is None:
-            (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
-                (x, y, sample_weight), validation_split=values["validation_split"])
-        path = backend.model_path(self)
-        backend.models.of(self).synced = False   # the state is broadcast at this fit
-        train = data.adapter_for(backend, path, x, y, sample_weight, values["batch_size"],
-                                 values["steps_per_epoch"], values["shuffle"], values["class_weight"])
-        if validation_data is not None:
-            val_x, val_y, val_sample_weight = data_adapter_utils.unpack_x_y_sample_weight(validation_data)
-            validation_data = (data.adapter_for(
-                backend, path, val_x, val_y, val_sample_weight,
-                values["validation_batch_size"] or values["batch_size"], values["validation_steps"]),)
-        values.update(x=train, y=None, batch_size=None, verbose=_quiet_unless_chief(backend, values["verbose"]),
-                      validation_split=0.0, validation_data=validation_data, shuffle=False,
-                      class_weight=None, sample_weight=None, validation_batch_size=None)
-        with _model_context(backend, self, path):
-            return backend.faults.running_user_code("model.fit", lambda: original(*bound.args, **bound.kwargs))
+        return wrapper
 
-    return fit
+    return replacement
 
 
-def _evaluate_global_batches(original):
-    signature = inspect.signature(original)
+@_with_named_arguments
+def _fit_global_batches(model, backend, values, call):
+    from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
 
-    @functools.wraps(original)
-    def evaluate(self, *args, **kwargs):
-        backend = _backend()
-        if backend is None:
-            return original(self, *args, **kwargs)
-        bound = signature.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        values = bound.arguments
-        policy.check_same_rows(backend, values["x"], "model.evaluate()")
-        if not kwargs.get("_use_cached_eval_dataset"):   # (fit's validation: the state is already agreed)
-            backend.models.of(self).synced = False
-        path = backend.model_path(self)
-        values.update(x=data.adapter_for(backend, path, values["x"], values["y"], values["sample_weight"],
-                                         values["batch_size"], values["steps"]),
-                      y=None, batch_size=None, sample_weight=None,
-                      verbose=_quiet_unless_chief(backend, values["verbose"]))
-        with _model_context(backend, self, path):
-            return backend.faults.running_user_code("model.evaluate",
-                                                    lambda: original(*bound.args, **bound.kwargs))
+    x, y, sample_weight = values["x"], values["y"], values["sample_weight"]
+    backend.check_tf_config_unchanged(stacklevel=3)
+    digest = None if data.shard_policy_is_off(x) else first_batch_digest(x)
+    policy.check_same_rows(backend, x, "model.fit()", digest=digest)
+    validation_data = values["validation_data"]
+    if values["validation_split"] and validation_data is None:
+        (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
+            (x, y, sample_weight), validation_split=values["validation_split"])
+    path = backend.model_path(model)
+    backend.models.of(model).synced = False   # the state is broadcast at this fit
+    train = data.adapter_for(backend, path, x, y, sample_weight, values["batch_size"],
+                             values["steps_per_epoch"], values["shuffle"], values["class_weight"])
+    if validation_data is not None:
+        val_x, val_y, val_sample_weight = data_adapter_utils.unpack_x_y_sample_weight(validation_data)
+        validation_data = (data.adapter_for(
+            backend, path, val_x, val_y, val_sample_weight,
+            values["validation_batch_size"] or values["batch_size"], values["validation_steps"]),)
+    values.update(x=train, y=None, batch_size=None, verbose=_quiet_unless_chief(backend, values["verbose"]),
+                  validation_split=0.0, validation_data=validation_data, shuffle=False,
+                  class_weight=None, sample_weight=None, validation_batch_size=None)
+    with _model_context(backend, model, path):
+        return backend.faults.running_user_code("model.fit", call)
 
-    return evaluate
+
+@_with_named_arguments
+def _evaluate_global_batches(model, backend, values, call):
+    policy.check_same_rows(backend, values["x"], "model.evaluate()")
+    if not values.get("kwargs", {}).get("_use_cached_eval_dataset"):
+        backend.models.of(model).synced = False   # (fit's validation: the state is already agreed)
+    path = backend.model_path(model)
+    values.update(x=data.adapter_for(backend, path, values["x"], values["y"], values["sample_weight"],
+                                     values["batch_size"], values["steps"]),
+                  y=None, batch_size=None, sample_weight=None,
+                  verbose=_quiet_unless_chief(backend, values["verbose"]))
+    with _model_context(backend, model, path):
+        return backend.faults.running_user_code("model.evaluate", call)
 
 
 def _model_context(backend, model, path):
@@ -223,31 +222,19 @@ def _make_variables_global(backend, model) -> None:
 
 
 # -- local predict ------------------------------------------------------------------------
-def _predict_local(original):
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def predict(self, *args, **kwargs):
-        backend = _backend()
-        if backend is None:
-            return original(self, *args, **kwargs)
-        bound = signature.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        values = bound.arguments
-        if backend.num_workers == 1:
-            path = backend.model_path(self)
-            values.update(x=data.adapter_for(backend, path, values["x"], None, None, values["batch_size"],
-                                             values["steps"]), batch_size=None)
-            with _model_context(backend, self, path):
-                return original(*bound.args, **bound.kwargs)
-        values.update(x=data.adapter_for(backend, data.EVERY_ROW, values["x"], None, None,
-                                         values["batch_size"], values["steps"]),
-                      batch_size=None, verbose=_quiet_unless_chief(backend, values["verbose"]))
-        with _without_distribution():
-            return backend.faults.running_user_code("model.predict",
-                                                    lambda: original(*bound.args, **bound.kwargs))
-
-    return predict
+@_with_named_arguments
+def _predict_local(model, backend, values, call):
+    if backend.num_workers == 1:
+        path = backend.model_path(model)
+        values.update(x=data.adapter_for(backend, path, values["x"], None, None, values["batch_size"],
+                                         values["steps"]), batch_size=None)
+        with _model_context(backend, model, path):
+            return call()
+    values.update(x=data.adapter_for(backend, data.EVERY_ROW, values["x"], None, None,
+                                     values["batch_size"], values["steps"]),
+                  batch_size=None, verbose=_quiet_unless_chief(backend, values["verbose"]))
+    with _without_distribution():
+        return backend.faults.running_user_code("model.predict", call)
 
 
 def _predict_local_function(original):
@@ -257,7 +244,8 @@ def _predict_local_function(original):
         ordered outputs, the same on every worker that predicts, with no collective."""
         if _several_workers() is None:
             return original(self, *args, **kwargs)
-        if self.predict_function is not None and not _force(original, self, args, kwargs):
+        force = inspect.signature(original).bind(self, *args, **kwargs).arguments.get("force", False)
+        if self.predict_function is not None and not force:
             return self.predict_function
         import jax
 
@@ -313,54 +301,49 @@ def _sync_state(backend, model) -> None:
     backend.models.of(model).synced = True
 
 
-def _force(original, self, args, kwargs) -> bool:
-    return bool(inspect.signature(original).bind(self, *args, **kwargs).arguments.get("force", False))
-
-
 def _on_flat_path(backend, model) -> bool:
     return backend.model_path(model) == flat.FLAT
 
 
-def _flat_train_step(original):
-    def make_train_function(self, *args, **kwargs):
-        """The state at entry, then Keras' jitted step split around one flat gradient all-reduce."""
-        backend = _several_workers()
-        if backend is None:
-            return original(self, *args, **kwargs)
-        _sync_state(backend, self)
-        if not _on_flat_path(backend, self):
-            return original(self, *args, **kwargs)
-        if self.train_function is not None and not _force(original, self, args, kwargs):
-            return
-        step = flat.make_flat_train_step(
-            self, backend.collectives, lambda call: backend.faults.guard("gradient all-reduce", call),
-            backend.all_gather)
-        self.train_function = self._make_function(step)
+def _flat_function(attribute: str, build):
+    """A replacement factory for `make_train_function`/`make_test_function`: on several workers
+    the model's state is agreed first (see `_sync_state`); on the flat path
+    `model.<attribute>` becomes `model._make_function(build(backend, model))`."""
+    def replacement(original):
+        signature = inspect.signature(original)
 
-    return make_train_function
+        def make_function(self, *args, **kwargs):
+            backend = _several_workers()
+            if backend is None:
+                return original(self, *args, **kwargs)
+            _sync_state(backend, self)
+            if not _on_flat_path(backend, self):
+                return original(self, *args, **kwargs)
+            force = signature.bind(self, *args, **kwargs).arguments.get("force", False)
+            if getattr(self, attribute) is None or force:
+                setattr(self, attribute, self._make_function(build(backend, self)))
+
+        return make_function
+
+    return replacement
 
 
-def _flat_test_step(original):
-    def make_test_function(self, *args, **kwargs):
-        """The state at entry; on the flat path each worker evaluates its rows, and an empty
-        share leaves the state alone."""
-        backend = _several_workers()
-        if backend is None:
-            return original(self, *args, **kwargs)
-        _sync_state(backend, self)
-        if not _on_flat_path(backend, self):
-            return original(self, *args, **kwargs)
-        if self.test_function is not None and not _force(original, self, args, kwargs):
-            return
-        import jax
+def _flat_train_step(backend, model):
+    """Keras' jitted step split around one flat gradient all-reduce."""
+    return flat.make_flat_train_step(
+        model, backend.collectives, lambda call: backend.faults.guard("gradient all-reduce", call),
+        backend.all_gather)
 
-        test_step = self.test_step
-        if not self.run_eagerly and self.jit_compile:
-            device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # one compile
-            test_step = jax.jit(self.test_step, donate_argnums=0, in_shardings=device, out_shardings=device)
-        self.test_function = self._make_function(flat.skip_empty_test_step(self, test_step))
 
-    return make_test_function
+def _flat_test_step(backend, model):
+    """Each worker evaluates its rows; an empty share leaves the state alone."""
+    import jax
+
+    test_step = model.test_step
+    if not model.run_eagerly and model.jit_compile:
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # one compile
+        test_step = jax.jit(model.test_step, donate_argnums=0, in_shardings=device, out_shardings=device)
+    return flat.skip_empty_test_step(model, test_step)
 
 
 def _global_metrics(original):
@@ -425,11 +408,13 @@ PATCHES = PatchTable("jax", [
                        "non-addressable devices' and would enter collectives one worker may skip"),
     Patch("predict-local-function", _TRAINER + "make_predict_function", _predict_local_function,
           parameters=("force",), works_around="the same: a local jitted predict step on one device"),
-    Patch("flat-train-step", _TRAINER + "make_train_function", _flat_train_step,
+    Patch("flat-train-step", _TRAINER + "make_train_function",
+          _flat_function("train_function", _flat_train_step),
           parameters=("force",),
           works_around="XLA's fused gradient all-reduce is 1.4-6x slower than one flat all-reduce "
                        "on CPU gloo; variables set on one worker alone would drift into training"),
-    Patch("flat-test-step", _TRAINER + "make_test_function", _flat_test_step,
+    Patch("flat-test-step", _TRAINER + "make_test_function",
+          _flat_function("test_function", _flat_test_step),
           parameters=("force",), works_around="the flat path's evaluate: a worker may have no rows"),
     Patch("global-metrics", _TRAINER + "_get_metrics_result_or_logs", _global_metrics,
           parameters=("logs",), works_around="flat-path metric results must come from every "
