@@ -1,4 +1,4 @@
-"""Multi-process acceptance tests of the PyTorch backend (`keras_mwms/backends/torch*.py`).
+"""Multi-process acceptance tests of the PyTorch backend (`keras_mwms/backends/torch/`).
 
 Each scenario runs once (module-scoped fixtures) as a real gang of worker processes plus, for
 equivalence, the same script as a single process without TF_CONFIG; the assertions read the

@@ -20,7 +20,10 @@ def run(make_optimizer, fused: bool):
     import keras
     import numpy as np
 
-    from keras_mwms.backends import torch_fused_adam
+    from keras_mwms.backends.torch import fused_adam
+    from keras_mwms.communication import CommunicationOptions
+
+    kernel = CommunicationOptions().torch_fused_adam   # KERAS_MWMS_TORCH_FUSED_ADAM=1: torch's kernel
 
     keras.utils.set_random_seed(1)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
@@ -32,14 +35,14 @@ def run(make_optimizer, fused: bool):
     used = False
     if fused:
         base = type(optimizer)
-        if not torch_fused_adam.applies_to(base):
+        if not fused_adam.applies_to(base):
             raise SystemExit(f"{base} is not Keras' torch Adam")
 
         def _parallel_update_step(self, grads, variables, learning_rate):
             nonlocal used
-            if torch_fused_adam.eligible(self, grads, variables):
+            if fused_adam.eligible(self, grads, variables, kernel):
                 used = True
-                return torch_fused_adam.update(self, grads, variables, learning_rate)
+                return fused_adam.update(self, grads, variables, learning_rate, kernel)
             return base._parallel_update_step(self, grads, variables, learning_rate)
 
         optimizer.__class__ = type(base.__name__, (base,),

@@ -98,6 +98,9 @@ def run_scenario(strategy, out: str, data="arrays", optimizer="sgd", epochs=2, r
                         callbacks=[RecordStart()])
     evaluation = model.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True)
     predictions = model.predict(x, batch_size=batch_size, verbose=0)
+    from keras_mwms.backends.torch.state import diagnostics
+
+    fast_paths = diagnostics(model)
     common.save_result(
         out, index, model,
         history={key: [float(v) for v in values] for key, values in history.history.items()},
@@ -105,14 +108,14 @@ def run_scenario(strategy, out: str, data="arrays", optimizer="sgd", epochs=2, r
         weight_sum_before_fit=before,
         seed_probe=seed_probe,
         weight_sum_at_train_begin=start_sums[0],
-        optimizer_class=type(model.optimizer).__mro__[1].__module__,
+        optimizer_class=type(model.optimizer).__module__,
         optimizer_iterations=int(model.optimizer.iterations.numpy()),
-        # Gradient buckets reduced during backward (keras_mwms.backends.torch_overlap); 0: none.
-        overlap_buckets=len(getattr(getattr(model, "_keras_mwms_overlap", None), "buckets", [])),
+        # Gradient buckets reduced during backward (keras_mwms.backends.torch.overlap); 0: none.
+        overlap_buckets=fast_paths["overlap_buckets"],
         # Steps whose metric states were summed in the last gradient bucket (no own all-reduce).
-        metric_states_in_gradient_bucket=int(getattr(model, "_keras_mwms_metric_rides", 0)),
-        # Steps whose Adam update ran as one fused torch kernel (keras_mwms.backends.torch_fused_adam).
-        fused_adam_steps=int(getattr(model.optimizer, "_keras_mwms_fused_steps", 0)),
+        metric_states_in_gradient_bucket=fast_paths["metric_states_in_gradient_bucket"],
+        # Steps whose Adam update ran in place (keras_mwms.backends.torch.fused_adam).
+        fused_adam_steps=fast_paths["fused_adam_steps"],
     )
     np.save(os.path.join(out, f"predict{index}.npy"), predictions)
 

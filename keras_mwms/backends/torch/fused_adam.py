@@ -17,9 +17,11 @@ differently (`m.lerp_`, `ε/√(1−β2^t)` folded into ε). The difference is r
 2e-7 per step, yet Adam amplifies it: on the benchmark MLP one process with it ends 6e-3 from
 plain Keras after 20 steps and 0.07 after 220 steps, where two workers with Keras' own rounding
 stay within 4.5e-8 of one process after 20 steps (and drift, chaotically, to the same 0.06 after
-220). It is therefore opt-in: `KERAS_MWMS_TORCH_FUSED_ADAM=1`.
+220). It is therefore opt-in: `CommunicationOptions(torch_fused_adam=True)`, or
+`KERAS_MWMS_TORCH_FUSED_ADAM=1`.
 
-Used for models built in `strategy.scope()` on the torch backend (`torch_training`), when the
+Used for models built in `strategy.scope()` on the torch backend (the `torch-adam-update` row
+of `keras_mwms.backends.torch.patches`), when the
 optimizer is Keras' torch Adam or AdamW without `amsgrad`, every weight and gradient is a dense
 CPU tensor of one floating dtype and the step is not `torch.compile`d; anything else keeps Keras'
 own update. Weight decay (AdamW), gradient clipping and gradient accumulation stay in Keras'
@@ -30,13 +32,13 @@ Example:
 >>> import os
 >>> os.environ["KERAS_BACKEND"] = "torch"
 >>> import keras, numpy as np
->>> from keras_mwms.backends import torch_fused_adam
+>>> from keras_mwms.backends.torch import fused_adam
 >>> weights = [keras.Variable(np.ones((2, 2), "float32"))]
 >>> adam = keras.optimizers.Adam(0.1)
 >>> adam.build(weights)
->>> torch_fused_adam.eligible(adam, [weights[0].value], weights)
+>>> fused_adam.eligible(adam, [weights[0].value], weights)
 True
->>> torch_fused_adam.update(adam, [weights[0].value * 0 + 1], weights, 0.1)
+>>> fused_adam.update(adam, [weights[0].value * 0 + 1], weights, 0.1)
 >>> round(float(weights[0].numpy()[0, 0]), 4)   # the first Adam step moves by lr
 0.9
 """
@@ -44,19 +46,12 @@ True
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
-FUSED_ADAM_ENV = "KERAS_MWMS_TORCH_FUSED_ADAM"
+from keras_mwms.backends.torch.state import STATE
+
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-_SCRATCH = "_keras_mwms_adam_scratch"
-
-
-def fused_kernel_enabled() -> bool:
-    """True when `KERAS_MWMS_TORCH_FUSED_ADAM` is 1, true, yes or on (torch's fused kernel)."""
-    value = os.environ.get(FUSED_ADAM_ENV, "0").strip().lower()
-    return value in ("1", "true", "yes", "on")
 
 
 def applies_to(optimizer_class) -> bool:
@@ -66,11 +61,14 @@ def applies_to(optimizer_class) -> bool:
     return issubclass(optimizer_class, TorchAdam)
 
 
-def eligible(optimizer, grads, keras_variables) -> bool:
-    """Whether this step can run here: no amsgrad; dense CPU tensors of one floating dtype."""
+def eligible(optimizer, grads, keras_variables, fused_kernel: bool = False) -> bool:
+    """Whether this step can run here: no amsgrad; dense CPU tensors of one floating dtype.
+
+    `fused_kernel`: torch's fused kernel is asked for (`CommunicationOptions.torch_fused_adam`).
+    """
     if getattr(optimizer, "amsgrad", False) or not keras_variables:
         return False
-    if fused_kernel_enabled() and not hasattr(torch, "_fused_adam_"):
+    if fused_kernel and not hasattr(torch, "_fused_adam_"):
         return False
     dtype = keras_variables[0].value.dtype
     if dtype not in _FLOATS:
@@ -84,14 +82,15 @@ def eligible(optimizer, grads, keras_variables) -> bool:
     return True
 
 
-def update(optimizer, grads, keras_variables, learning_rate) -> None:
+def update(optimizer, grads, keras_variables, learning_rate, fused_kernel: bool = False) -> None:
     """One Adam step of `optimizer` on `keras_variables`: Keras' arithmetic, or torch's fused kernel.
 
     Reads and writes the optimizer's own momentum and velocity variables, so saving,
     restoring and switching back to Keras' update all see the usual state. The caller
     (Keras' `apply`) increments `optimizer.iterations` afterwards, as for Keras' update.
+    `fused_kernel` selects torch's kernel (`CommunicationOptions.torch_fused_adam`).
     """
-    if fused_kernel_enabled():
+    if fused_kernel:
         _fused_kernel_update(optimizer, grads, keras_variables, learning_rate)
     else:
         _in_place_update(optimizer, grads, keras_variables, learning_rate)
@@ -100,12 +99,11 @@ def update(optimizer, grads, keras_variables, learning_rate) -> None:
 def _scratch(optimizer, variables: list[torch.Tensor]) -> tuple[list, list]:
     """Two buffers shaped like `variables`, kept on the optimizer while the variables stay the same."""
     key = tuple(id(variable) for variable in variables)
-    cached = getattr(optimizer, _SCRATCH, None)
+    cached = STATE.get(optimizer, "adam_scratch")
     if cached is None or cached[0] != key:
         cached = (key, [torch.empty_like(variable) for variable in variables],
                   [torch.empty_like(variable) for variable in variables])
-        # object.__setattr__: Keras' attribute tracking must not see plain torch tensors.
-        object.__setattr__(optimizer, _SCRATCH, cached)
+        STATE.of(optimizer).adam_scratch = cached
     return cached[1], cached[2]
 
 

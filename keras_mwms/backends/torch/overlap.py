@@ -25,7 +25,7 @@ latency-bound all-reduce for them.
 Example (one process: nothing is distributed, so the reducer declines to arm):
 
 >>> import torch
->>> from keras_mwms.backends.torch_overlap import OverlappedGradients
+>>> from keras_mwms.backends.torch.overlap import OverlappedGradients
 >>> class Alone:
 ...     distributed = False
 ...     bucket_bytes = 1 << 20
@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from keras_mwms.backends.torch import TorchBackend
+    from keras_mwms.backends.torch.engine import TorchEngine
 
 FIRST_BUCKET_BYTES = 1 << 20
 
@@ -80,11 +80,11 @@ class OverlappedGradients:
     """All-reduces the gradients of `parameters` bucket by bucket as backward produces them.
 
     Args:
-        backend: the `TorchBackend` (its process group, `bucket_bytes` and failure handling).
+        backend: the `TorchEngine` (its process group, `bucket_bytes` and failure handling).
         parameters: the model's trainable torch parameters, in `model.trainable_weights` order.
     """
 
-    def __init__(self, backend: TorchBackend, parameters: Sequence[torch.nn.Parameter]):
+    def __init__(self, backend: TorchEngine, parameters: Sequence[torch.nn.Parameter]):
         self.backend = backend
         self.parameters = list(parameters)
         self.positions = {id(parameter): position for position, parameter in enumerate(self.parameters)}
@@ -130,7 +130,9 @@ class OverlappedGradients:
         return self.armed
 
     def disarm(self) -> None:
+        """Ends the step: the hooks go idle and the step's `extras` are let go."""
         self.armed = False
+        self.extras = None
 
     def covers(self, variables: Sequence) -> bool:
         """Whether `variables` (Keras variables) are exactly the hooked parameters, in order."""

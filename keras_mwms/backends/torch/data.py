@@ -17,22 +17,25 @@ its own), so every shuffle above draws the chief's order: the order one process 
 with the chief's seed draws.
 
 A short last global batch may leave a worker with zero rows; the trainer patch runs such a
-step on a zero-weight dummy row so collectives stay paired.
+step on a zero-weight dummy row (`keras_mwms.backends.policy.dummy_row`) so collectives stay
+paired. Before the first step every worker checks that all passed arrays of one length
+(`keras_mwms.backends.policy.check_same_rows`).
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from keras_mwms.data import AutoShardPolicy, replica_slices, worker_row_indices
+from keras_mwms.backends import policy
+from keras_mwms.data import AutoShardPolicy, first_batch_digest, replica_slices, worker_row_indices
 
 if TYPE_CHECKING:
-    from keras_mwms.backends.torch import TorchBackend
+    from keras_mwms.backends.torch.engine import TorchEngine
 
 DEFAULT_BATCH_SIZE = 32
 
@@ -75,7 +78,7 @@ def _num_rows(structure) -> int:
     raise ValueError("keras_mwms: the input arrays are empty; give at least one row.")
 
 
-def align_random_states(backend: TorchBackend, python_random: bool = False,
+def align_random_states(backend: TorchEngine, python_random: bool = False,
                         torch_random: bool = False) -> None:
     """Every worker takes the chief's Python `random` and/or torch global RNG state (one
     broadcast, made by every worker; the chief keeps its own states).
@@ -151,7 +154,7 @@ def _make_sharded_arrays(backend, arrays, global_batch_size):
     return ShardedArrays()
 
 
-def _slice_rows(batch, global_batch_size: int, backend: TorchBackend):
+def _slice_rows(batch, global_batch_size: int, backend: TorchEngine):
     from keras.src import tree
 
     rows = _num_rows(batch)
@@ -195,8 +198,8 @@ def _make_sharded_pydataset(backend, dataset):
 def _shard_tf_dataset(backend, dataset):
     import tensorflow as tf
 
-    policy = dataset.options().experimental_distribute.auto_shard_policy
-    if policy == tf.data.experimental.AutoShardPolicy.OFF or backend.num_workers == 1:
+    shard_policy = dataset.options().experimental_distribute.auto_shard_policy
+    if shard_policy == tf.data.experimental.AutoShardPolicy.OFF or backend.num_workers == 1:
         return dataset
     # The global batch size is the first batch's rows. It is read while training reads the
     # batches (the state of a `scan`), never by iterating the dataset here: a new iterator of a
@@ -258,7 +261,7 @@ def _shard_iterable(backend, iterable):
     return sliced()
 
 
-def shard_global_batches(data: Any, backend: TorchBackend, options: Any = None,
+def shard_global_batches(data: Any, backend: TorchEngine, options: Any = None,
                          aligned: bool = False) -> Any:
     """This worker's shard of a dataset batched at the global batch size.
 
@@ -273,8 +276,8 @@ def shard_global_batches(data: Any, backend: TorchBackend, options: Any = None,
     """
     if isinstance(data, Sharded) or data is None:
         return data
-    policy = getattr(options, "auto_shard_policy", None) if options is not None else None
-    if policy == AutoShardPolicy.OFF or backend.num_workers == 1 and not aligned:
+    shard_policy = getattr(options, "auto_shard_policy", None) if options is not None else None
+    if shard_policy == AutoShardPolicy.OFF or backend.num_workers == 1 and not aligned:
         return data
     module = type(data).__module__
     if module.startswith("tensorflow") and hasattr(data, "element_spec"):
@@ -298,12 +301,15 @@ def shard_global_batches(data: Any, backend: TorchBackend, options: Any = None,
     )
 
 
-def bind_arguments(method, args: tuple, kwargs: dict) -> dict:
-    """`method(self, *args, **kwargs)`'s arguments by name, defaults filled in (without self)."""
-    return _bind(_original(method), args, kwargs)
+def bind_arguments(method: Callable, args: tuple, kwargs: dict) -> dict:
+    """`method(self, *args, **kwargs)`'s arguments by name, defaults filled in (without self).
 
+    Example:
 
-def _bind(method, args, kwargs) -> dict:
+    >>> def fit(self, x=None, batch_size=None, **kwargs): ...
+    >>> bind_arguments(fit, (1,), {"verbose": 0})
+    {'x': 1, 'batch_size': None, 'verbose': 0}
+    """
     signature = inspect.signature(method)
     bound = signature.bind_partial(None, *args, **kwargs)
     bound.apply_defaults()
@@ -324,12 +330,14 @@ def _shard_arrays_or_data(backend, x, y, sample_weight, batch_size, shuffle):
     return shard_global_batches(x, backend, aligned=True)
 
 
-def shard_fit_inputs(backend: TorchBackend, args: tuple, kwargs: dict) -> dict:
-    """`fit`'s arguments with every input replaced by this worker's shard."""
-    from keras.src.backend.torch.trainer import TorchTrainer
+def shard_fit_inputs(backend: TorchEngine, fit: Callable, args: tuple, kwargs: dict) -> dict:
+    """`fit(self, *args, **kwargs)`'s arguments with every input replaced by this worker's shard.
+
+    `fit` is Keras' own `fit` (its signature names the arguments).
+    """
     from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
 
-    values = _bind(_original(TorchTrainer.fit), args, kwargs)
+    values = bind_arguments(fit, args, kwargs)
     x, y, sample_weight = values["x"], values["y"], values["sample_weight"]
     if isinstance(x, Sharded):
         return values
@@ -342,7 +350,9 @@ def shard_fit_inputs(backend: TorchBackend, args: tuple, kwargs: dict) -> dict:
         backend, python_random=shuffles_batches,
         torch_random=bool(values["shuffle"]) and _is_arrays(x, y, sample_weight)
         or _shuffling_loader(x) or _shuffling_loader(validation))
-    check_same_rows(backend, x, "model.fit()", compare_first_batch=True)
+    # The digest reads the dataset's shuffle seeds or first batch: only where it is compared.
+    compare = backend.distributed and not _sharding_off(x)
+    policy.check_same_rows(backend, x, "model.fit()", digest=first_batch_digest(x) if compare else None)
     if _is_arrays(x, y, sample_weight):
         x, y, sample_weight = _to_numpy((x, y, sample_weight))
         if values["class_weight"] is not None:
@@ -371,63 +381,22 @@ def shard_fit_inputs(backend: TorchBackend, args: tuple, kwargs: dict) -> dict:
     return values
 
 
-def shard_evaluate_inputs(backend: TorchBackend, args: tuple, kwargs: dict) -> dict:
-    """`evaluate`'s arguments with the data replaced by this worker's shard (no shuffling)."""
-    from keras.src.backend.torch.trainer import TorchTrainer
+def shard_evaluate_inputs(backend: TorchEngine, evaluate: Callable, args: tuple, kwargs: dict) -> dict:
+    """`evaluate`'s arguments with the data replaced by this worker's shard (no shuffling).
 
-    values = _bind(_original(TorchTrainer.evaluate), args, kwargs)
+    `evaluate` is Keras' own `evaluate` (its signature names the arguments).
+    """
+    values = bind_arguments(evaluate, args, kwargs)
     x = values["x"]
     if isinstance(x, Sharded):
         return values
-    check_same_rows(backend, x, "model.evaluate()")
+    policy.check_same_rows(backend, x, "model.evaluate()")
     if _shuffling_loader(x):
         align_random_states(backend, torch_random=True)
     values["x"] = _shard_arrays_or_data(backend, x, values["y"], values["sample_weight"],
                                         values["batch_size"], False)
     values.update(y=None, sample_weight=None, batch_size=None)
     return values
-
-
-def check_same_rows(backend: TorchBackend, x, what: str, compare_first_batch: bool = False) -> None:
-    """Every worker must pass arrays of one length; else a clear error everywhere (one all-reduce).
-
-    Different lengths give workers different step counts: the next collective would mismatch
-    (gloo aborts the process), so it is caught before the first step. With
-    `compare_first_batch`, a tf.data input's first-batch digest (`keras_mwms.data.
-    first_batch_digest`) rides in the same all-reduce, and every worker warns when the workers'
-    datasets start differently (a shuffle seeded differently per worker, or not at all).
-    """
-    import torch
-
-    from keras_mwms.data import (
-        different_first_batches_warning,
-        first_batch_digest,
-        leading_rows,
-        uneven_rows_error,
-    )
-
-    if not backend.distributed:
-        return
-    rows = leading_rows(x)
-    digest = first_batch_digest(x) if compare_first_batch and not _sharding_off(x) else None
-    # Per worker: rows + 1 (0: not arrays), then the 64-bit digest as two exact 32-bit halves
-    # (-1: none).
-    mine = torch.zeros((backend.num_workers, 3), dtype=torch.float64)
-    mine[backend.worker_index, 0] = 0 if rows is None else rows + 1
-    value = -1 if digest is None else int(digest, 16)
-    mine[backend.worker_index, 1:] = torch.tensor(
-        [-1.0, -1.0] if value < 0 else [float(value >> 32), float(value & 0xFFFFFFFF)],
-        dtype=torch.float64)
-    (everyone,) = backend.all_reduce_flat([mine], what="row-count check")
-    error = uneven_rows_error([int(value) - 1 if value else None for value in everyone[:, 0].tolist()],
-                              backend.worker_index, what)
-    if error is not None:
-        raise error
-    digests = [None if high < 0 else f"{int(high):08x}{int(low):08x}"
-               for high, low in everyone[:, 1:].tolist()]
-    message = different_first_batches_warning(digests, what)
-    if message is not None:
-        warnings.warn(message, stacklevel=4)
 
 
 def _sharding_off(x) -> bool:
@@ -438,7 +407,3 @@ def _sharding_off(x) -> bool:
     import tensorflow as tf
 
     return x.options().experimental_distribute.auto_shard_policy == tf.data.experimental.AutoShardPolicy.OFF
-
-
-def _original(method):
-    return getattr(method, "__wrapped__", method)

@@ -1,0 +1,338 @@
+"""The torch engine: `torch.distributed` joined at the chief's address, and its collectives.
+
+* **join** — `torch.distributed.init_process_group` at the chief's `TF_CONFIG` address (the
+  port the rendezvous just released), bounded by `CommunicationOptions.timeout_seconds`
+  (default `DEFAULT_COLLECTIVE_TIMEOUT_SECONDS`, far below torch's 30 minutes). AUTO picks
+  nccl with CUDA and gloo otherwise, RING is gloo, NCCL without CUDA is refused at once.
+* **collectives** — the collective port (`all_reduce`, `broadcast_object`, `barrier`) and its
+  torch forms: bucketed flat all-reduces (`all_reduce_flat`) and broadcasts
+  (`broadcast_tensors`). Every one runs `guarded`: a crashed or hung peer ends *this* worker
+  with `keras_mwms.WorkerLostError` naming the lost worker(s) (`keras_mwms.backends.torch.faults`).
+* **leave** — the process group is destroyed in order, at `strategy.close()` or at exit.
+
+One replica per worker process (one CPU or one GPU); several GPUs per worker are out of scope:
+start one worker per GPU instead.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from keras_mwms import devices, network
+from keras_mwms.backends.base import Backend
+from keras_mwms.backends.torch import faults
+from keras_mwms.cluster import ClusterResolver, split_address
+from keras_mwms.communication import CommunicationImplementation, CommunicationOptions
+from keras_mwms.errors import WorkerLostError
+
+DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = 300.0
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+# At a normal exit, how long the chief waits for the other workers to sign off its store.
+_SIGN_OFF_SECONDS = 10.0
+
+
+def _bind_gloo_to(host: str) -> None:
+    """Makes gloo listen on, and advertise, the interface holding this worker's TF_CONFIG host.
+
+    By default gloo uses the address the machine's host name resolves to: often 127.0.0.1 from
+    /etc/hosts, which it then advertises to peers on other machines, who cannot connect
+    ("Gloo connectFullMesh failed ... remote=[127.0.0.1]"). `GLOO_SOCKET_IFNAME` is gloo's own
+    setting; a value the user set is kept.
+    """
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    interface = network.interface_of(host)
+    if interface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
+class NcclUnavailableError(RuntimeError):
+    """`CommunicationImplementation.NCCL` was requested where torch cannot use NCCL.
+
+    Example:
+
+    >>> issubclass(NcclUnavailableError, RuntimeError)
+    True
+    """
+
+
+def resolve_engine(implementation: CommunicationImplementation) -> str:
+    """The `torch.distributed` backend name for a requested implementation.
+
+    AUTO: nccl with CUDA, gloo otherwise. RING: gloo. NCCL: nccl, or `NcclUnavailableError` at
+    once (before any network wait) when CUDA or NCCL is missing.
+
+    Example:
+
+    >>> resolve_engine(CommunicationImplementation.RING)
+    'gloo'
+    """
+    has_cuda = devices.local_gpu_count() > 0
+    if implementation == CommunicationImplementation.RING:
+        return "gloo"
+    if implementation == CommunicationImplementation.AUTO:
+        return "nccl" if has_cuda and dist.is_nccl_available() else "gloo"
+    if not has_cuda or not dist.is_nccl_available():
+        missing = "no CUDA device is visible" if not has_cuda else "this torch build lacks NCCL"
+        raise NcclUnavailableError(
+            f"CommunicationImplementation.NCCL was requested but {missing} (torch "
+            f"{torch.__version__}). Use CommunicationImplementation.AUTO (gloo on CPU) or RING, or "
+            "run on a machine with CUDA GPUs and a CUDA build of torch."
+        )
+    return "nccl"
+
+
+class TorchEngine(Backend):
+    """The process group and the collective port of the torch backend (see the module docstring).
+
+    `keras_mwms.backends.torch.TorchBackend` adds the scope, the tf.distribute-style surface
+    and the Keras patches on top; it is built with `Backend`'s arguments.
+    """
+
+    name = "torch"
+
+    def __init__(self, resolver: ClusterResolver, options: CommunicationOptions,
+                 tf_config_at_creation: str = ""):
+        super().__init__(resolver, options, tf_config_at_creation)
+        self.timeout_seconds = float(options.timeout_seconds or DEFAULT_COLLECTIVE_TIMEOUT_SECONDS)
+        self.bucket_bytes = options.bytes_per_pack or DEFAULT_BUCKET_BYTES
+        self.lost_worker_checks = 0     # numbers the liveness windows (`faults.find_lost_workers`)
+        self._engine: str | None = None
+        self._joined = False
+        self._tcp_store: dist.TCPStore | None = None   # the store of a process group we started
+        # Rows of this worker's shard in the current training step (set by the train function)
+        # and whether the loss was scaled by them (set by the optimizer's scale_loss).
+        self.step_rows = 1
+        self.loss_weighted_by_rows = False
+
+    # -- identity -------------------------------------------------------------------------
+    @staticmethod
+    def version() -> str:
+        return torch.__version__
+
+    def engine_description(self) -> str:
+        if self._engine is None:
+            self._engine = resolve_engine(self.options.implementation)
+        return self._engine
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self.num_workers
+
+    @property
+    def distributed(self) -> bool:
+        """True when collectives actually cross processes (more than one worker)."""
+        return self._joined and self.num_workers > 1
+
+    @property
+    def device(self) -> torch.device:
+        """Where collective payloads live: the current CUDA device with nccl, else the CPU."""
+        return torch.device(f"cuda:{torch.cuda.current_device()}") if self.engine_description() == "nccl" \
+            else torch.device("cpu")
+
+    # -- life cycle -----------------------------------------------------------------------
+    def join(self) -> None:
+        """Starts `torch.distributed` at the chief's address (bounded by the collective timeout)."""
+        engine = self.engine_description()
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(devices.threads_per_worker())
+        if dist.is_initialized():
+            self._check_existing_process_group()
+        elif self.num_workers > 1:
+            host, port = split_address(self.resolver.worker_addresses[0])
+            if engine == "gloo":
+                _bind_gloo_to(split_address(self.resolver.worker_addresses[self.worker_index])[0])
+            started = time.monotonic()
+            try:
+                store = self._store(host, port)
+                dist.init_process_group(
+                    engine, store=store, rank=self.worker_index, world_size=self.num_workers,
+                    timeout=datetime.timedelta(seconds=self.timeout_seconds))
+                self._tcp_store = store
+                atexit.register(self.leave)
+            except Exception as error:
+                raise WorkerLostError(
+                    f"keras_mwms worker {self.worker_index}: torch.distributed ({engine}) could not "
+                    f"start at the chief's address {host}:{port} within "
+                    f"{time.monotonic() - started:.0f} s (timeout {self.timeout_seconds:.0f} s): "
+                    f"{error}. Check that every worker is still running and that port {port} is "
+                    "reachable from every worker.", where="torch.distributed start"
+                ) from error
+        self._joined = True
+
+    def _check_existing_process_group(self) -> None:
+        """Reuses a process group the script started itself, if it is the one TF_CONFIG describes."""
+        size, rank = dist.get_world_size(), dist.get_rank()
+        if (size, rank) != (self.num_workers, self.worker_index):
+            raise RuntimeError(
+                f"keras_mwms worker {self.worker_index}: torch.distributed was already initialised "
+                f"in this process with world_size={size}, rank={rank}, but TF_CONFIG describes "
+                f"{self.num_workers} worker(s) with this one at index {self.worker_index}. Let "
+                "keras_mwms.MultiWorkerMirroredStrategy() start the process group (remove your "
+                "init_process_group call), or make its world size and rank match TF_CONFIG."
+            )
+
+    def _store(self, host: str, port: int) -> dist.TCPStore:
+        """The TCPStore `init_method="tcp://host:port"` would make, the chief's bound to `host` only.
+
+        Left to itself the store's server listens on every interface; the chief binds the
+        socket to its TF_CONFIG address first and hands it over (`master_listen_fd`). If that
+        host is not an address of this machine (NAT, a service name) torch binds as usual.
+        """
+        listener = network.listen_on(host, port) if self.worker_index == 0 else None
+        if self.worker_index != 0:
+            # Connect only once the chief's store listens: torch's client logs a warning with a
+            # C++ stack trace for every refused attempt. On timeout the store reports it below.
+            network.wait_until_accepting(host, port, self.timeout_seconds)
+        # The store owns the descriptor from here on; Python must not close it.
+        listen_fd = listener.detach() if listener is not None else None
+        return dist.TCPStore(host.strip("[]"), port, self.num_workers, self.worker_index == 0,
+                             timeout=datetime.timedelta(seconds=self.timeout_seconds),
+                             multi_tenant=True, master_listen_fd=listen_fd)
+
+    def leave(self) -> None:
+        """Tears the process group down in order (`strategy.close()`, and at exit); safe twice.
+
+        torch asks for `destroy_process_group()` before exit: left to interpreter finalization,
+        gloo's threads can be destroyed while still holding work and abort the process
+        ("terminate called without an active exception", SIGABRT; pytorch/pytorch#190489,
+        #179291), so a finished job would be reported failed and retrained by
+        `--max-restarts`. Order: the chief's TCPStore serves every worker, so the other workers
+        destroy their process group and then sign off on the store, and the chief destroys its
+        own (and with it the store) once they all signed off, or after `_SIGN_OFF_SECONDS`.
+        Nobody else waits: a worker still in a collective with one that left learns of it at
+        once, and after an uncaught exception the chief waits for nobody.
+        """
+        store, self._tcp_store = self._tcp_store, None
+        if not self._joined:
+            return
+        if store is None or not dist.is_initialized():
+            self.destroy_process_group()
+            return
+        try:
+            if self.worker_index != 0:
+                self.destroy_process_group()
+                store.set(f"keras_mwms/left/{self.worker_index}", "1")
+                return
+            if getattr(sys, "last_value", None) is None:   # no uncaught exception
+                store.wait([f"keras_mwms/left/{rank}" for rank in range(1, self.num_workers)],
+                           datetime.timedelta(seconds=_SIGN_OFF_SECONDS))
+            self.destroy_process_group()
+        except Exception:
+            # A peer is gone or late: leave anyway, within a bound.
+            self.abandon()
+
+    def destroy_process_group(self) -> None:
+        """Destroys this process's process group now, without waiting for anyone."""
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+        self._joined = False
+
+    def abandon(self) -> None:
+        """Leaves without the ordered sign-off (a peer is lost), bounded in time."""
+        self._tcp_store = None
+        self._joined = False
+        faults.run_bounded(self.destroy_process_group)
+
+    # -- collectives ----------------------------------------------------------------------
+    def guarded(self, what: str) -> contextlib.AbstractContextManager:
+        """Runs collectives; a failure becomes `keras_mwms.WorkerLostError` naming the lost workers."""
+        return faults.guarded(self, what)
+
+    def all_reduce_flat(self, tensors: Sequence[torch.Tensor], op: str = "sum",
+                        what: str = "all-reduce") -> list[torch.Tensor]:
+        """Reduces same-role tensors across workers in few flat buckets; returns new tensors.
+
+        Tensors are grouped by dtype and packed into flat buckets of at most
+        `CommunicationOptions.bytes_per_pack` bytes (default 25 MiB), launched together and
+        awaited in order: one collective per bucket, not per tensor.
+        """
+        tensors = list(tensors)
+        if not self.distributed or not tensors:
+            return [tensor.clone() for tensor in tensors]
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                     "min": dist.ReduceOp.MIN}[op]
+        buckets = self._buckets(tensors)
+        results: list[torch.Tensor | None] = [None] * len(tensors)
+        with self.guarded(what):
+            pending = []
+            for bucket in buckets:
+                flat = torch.cat([tensors[i].reshape(-1) for i in bucket])
+                pending.append((bucket, flat, dist.all_reduce(flat, op=reduce_op, async_op=True)))
+            for bucket, flat, work in pending:
+                work.wait()
+                offset = 0
+                for i in bucket:
+                    size = tensors[i].numel()
+                    results[i] = flat[offset:offset + size].view_as(tensors[i])
+                    offset += size
+        return results  # type: ignore[return-value]
+
+    def _buckets(self, tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, tensor in enumerate(tensors):
+            by_dtype.setdefault(tensor.dtype, []).append(i)
+        buckets = []
+        for indices in by_dtype.values():
+            current, size = [], 0
+            for i in indices:
+                nbytes = tensors[i].numel() * tensors[i].element_size()
+                if current and size + nbytes > self.bucket_bytes:
+                    buckets.append(current)
+                    current, size = [], 0
+                current.append(i)
+                size += nbytes
+            buckets.append(current)
+        return buckets
+
+    @torch.no_grad()
+    def broadcast_tensors(self, tensors: Sequence[torch.Tensor], root: int = 0,
+                          what: str = "broadcast") -> None:
+        """Overwrites `tensors` in place with worker `root`'s values (one flat broadcast per dtype)."""
+        tensors = list(tensors)
+        if not self.distributed or not tensors:
+            return
+        with self.guarded(what):
+            for bucket in self._buckets(tensors):
+                flat = torch.cat([tensors[i].reshape(-1) for i in bucket])
+                dist.broadcast(flat, src=root)
+                offset = 0
+                for i in bucket:
+                    size = tensors[i].numel()
+                    tensors[i].copy_(flat[offset:offset + size].view_as(tensors[i]))
+                    offset += size
+
+    def barrier(self, name: str = "barrier") -> None:
+        if not self.distributed:
+            return
+        # A tiny all-reduce rather than dist.barrier: it honours the group timeout on gloo and
+        # fails the same way as every other collective.
+        self.all_reduce_flat([torch.zeros(1, device=self.device)], what=f"barrier {name!r}")
+
+    def all_reduce(self, value: np.ndarray, op: str = "sum") -> np.ndarray:
+        """Sum, min or max of a host array over workers (one gloo/nccl all-reduce)."""
+        tensor = torch.as_tensor(np.array(value))
+        if self.distributed:
+            tensor = tensor.to(self.device)
+        (reduced,) = self.all_reduce_flat([tensor], op=op, what=f"all-reduce ({op})")
+        return reduced.cpu().numpy()
+
+    def broadcast_object(self, value: Any, root: int = 0) -> Any:
+        if not self.distributed:
+            return value
+        holder = [value if self.worker_index == root else None]
+        with self.guarded("broadcast_object"):
+            dist.broadcast_object_list(holder, src=root)
+        return holder[0]

@@ -1,0 +1,199 @@
+"""Global-batch gradients and BatchNormalization statistics on torch.
+
+Each training step scales the loss by the worker's row count and, in `optimizer.apply`,
+all-reduces the gradients, the row count and unsynchronized BatchNormalization moving
+statistics in one bucketed flat all-reduce, then divides by the global row count
+(`average_gradients`): the exact global-batch gradient even for uneven or empty shards, seen
+averaged by clipping and loss scaling. When the gradient buckets already started reducing
+during `backward()` (`keras_mwms.backends.torch.overlap`), the small values ride in the last
+bucket (`StepExtras`) and the step costs the gradient all-reduce only.
+`BatchNormalization(synchronized=True)` computes global batch statistics
+(`synchronized_moments`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from keras_mwms.backends import policy
+from keras_mwms.backends.torch import metrics
+from keras_mwms.backends.torch.state import STATE
+
+if TYPE_CHECKING:
+    from keras_mwms.backends.torch.engine import TorchEngine
+
+
+class StepExtras:
+    """The small values one overlapped step sums in its last gradient bucket.
+
+    BatchNormalization moving statistics (weighted by rows), the step's loss weight and row
+    count, and, when the metrics were updated before backward and every metric state is summed
+    across workers, the metric states: the whole step then costs the gradient all-reduce only.
+    """
+
+    def __init__(self, model, backend: TorchEngine, rows: int, weights: list,
+                 with_metrics: bool):
+        self.model = model
+        self.backend = backend
+        self.rows = rows
+        self.with_metrics = with_metrics
+        self.statistics = unsynchronized_batch_norm_statistics(model)
+        self.metric_count = 0
+        self.dtype = weights[0].value.dtype
+
+    def __call__(self) -> list[torch.Tensor]:
+        rows = float(self.rows)
+        has_rows = rows > 0
+        weight = rows if self.backend.loss_weighted_by_rows else float(has_rows)
+        tensors = [variable.value.data * rows if has_rows else torch.zeros_like(variable.value.data)
+                   for variable in self.statistics]
+        tensors.append(torch.tensor([weight, rows], dtype=self.dtype))
+        if self.with_metrics:
+            pairs = metrics.metric_variables(self.model)
+            if all(policy.metric_reduction(metric, variable) == "sum" for metric, variable in pairs):
+                self.metric_count = len(pairs)
+                tensors += [variable.value.data for _, variable in pairs]
+        return tensors
+
+    def consume(self, reduced: list[torch.Tensor]) -> torch.Tensor:
+        """Applies the summed statistics, keeps the summed metric states; the total weight."""
+        count = len(self.statistics)
+        total_weight, total_rows = reduced[count][0], reduced[count][1]
+        for variable, total in zip(self.statistics, reduced[:count]):
+            variable.value.data.copy_(total / total_rows)
+        if self.metric_count:
+            STATE.of(self.model).step_metric_sums = list(reduced[count + 1:])
+        return total_weight
+
+
+def unsynchronized_batch_norm_statistics(model) -> list:
+    """The moving statistics of the model's trainable, unsynchronized BatchNormalization layers.
+
+    Collected once per `fit` (`training.prepare_fit` forgets them: trainable flags may change).
+    """
+    cached = STATE.get(model, "batch_norm_statistics")
+    if cached is not None:
+        return cached
+    from keras.src.layers import BatchNormalization
+
+    statistics = []
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, BatchNormalization) and layer.trainable and not layer.synchronized:
+            statistics += [layer.moving_mean, layer.moving_variance]
+    STATE.of(model).batch_norm_statistics = statistics
+    return statistics
+
+
+@torch._dynamo.disable
+@torch.no_grad()
+def average_gradients(backend: TorchEngine, model, grads: list, variables=None) -> list:
+    """Global-batch gradients: Σ_w (rows_w · grad_w) / Σ_w rows_w, in bucketed all-reduces.
+
+    The loss was already multiplied by this worker's rows (`scale_loss`); a custom
+    `train_step` that skips `scale_loss` (Keras' guides do) computed the mean loss of its
+    shard, so its gradients are multiplied by the rows here: the same global-batch gradient,
+    also when workers hold different numbers of rows. Unsynchronized BatchNormalization moving
+    statistics ride along, weighted by rows, so they never drift. When the step's gradients
+    were already being reduced during backward (`keras_mwms.backends.torch.overlap`), only the
+    statistics and the row counts are left to reduce here.
+    """
+    has_rows = backend.step_rows > 0
+    rows = float(backend.step_rows)
+    weight = rows if backend.loss_weighted_by_rows else float(has_rows)
+    statistics = unsynchronized_batch_norm_statistics(model)
+    reducer = STATE.get(model, "overlap")
+    if reducer is not None and reducer.armed:
+        # Always finish: its collectives are in flight on every worker.
+        step_extras = reducer.extras
+        summed, reduced_extras = reducer.finish()
+        backend.loss_weighted_by_rows = False
+        if variables is not None and reducer.covers(list(variables)):
+            if isinstance(step_extras, StepExtras):
+                total_weight = step_extras.consume(reduced_extras)
+                return [None if grad is None else total.div_(total_weight)
+                        for grad, total in zip(grads, summed)]
+            return _average_overlapped(backend, grads, summed, statistics, weight, rows)
+    # A custom step's gradients are those of its shard's mean loss: weight them by the rows.
+    row_scale = 1.0 if backend.loss_weighted_by_rows else rows
+    weight = rows
+    backend.loss_weighted_by_rows = False
+    present = [i for i, grad in enumerate(grads) if grad is not None]
+    payload = []
+    for i in present:
+        if not has_rows:
+            payload.append(torch.zeros_like(grads[i]))
+        else:
+            payload.append(grads[i] if row_scale == 1.0 else grads[i] * row_scale)
+    for variable in statistics:
+        value = variable.value.data
+        payload.append(value * rows if has_rows else torch.zeros_like(value))
+    reference = grads[present[0]] if present else torch.zeros(())
+    payload.append(torch.tensor([weight, rows], dtype=reference.dtype, device=reference.device))
+    reduced = backend.all_reduce_flat(payload, what="gradient all-reduce")
+    total_weight, total_rows = reduced[-1][0], reduced[-1][1]
+    averaged = list(grads)
+    for slot, i in enumerate(present):
+        averaged[i] = reduced[slot].div_(total_weight)
+    for offset, variable in enumerate(statistics):
+        variable.value.data.copy_(reduced[len(present) + offset] / total_rows)
+    return averaged
+
+
+def _average_overlapped(backend: TorchEngine, grads: list, summed: list, statistics: list,
+                        weight: float, rows: float) -> list:
+    """Divides the gradients summed during backward by the global weight; syncs statistics."""
+    has_rows = rows > 0
+    payload = [variable.value.data * rows if has_rows else torch.zeros_like(variable.value.data)
+               for variable in statistics]
+    reference = summed[0] if summed else torch.zeros(())
+    payload.append(torch.tensor([weight, rows], dtype=reference.dtype, device=reference.device))
+    reduced = backend.all_reduce_flat(payload, what="gradient all-reduce")
+    total_weight, total_rows = reduced[-1][0], reduced[-1][1]
+    for offset, variable in enumerate(statistics):
+        variable.value.data.copy_(reduced[offset] / total_rows)
+    return [None if grad is None else total.div_(total_weight) for grad, total in zip(grads, summed)]
+
+
+def synchronized_moments(backend: TorchEngine, inputs, axes):
+    """Mean and variance over `axes` of the global batch (all workers), as `ops.moments`.
+
+    A worker with an empty shard (`backend.step_rows == 0`, a dummy row) contributes nothing.
+
+    Example (one process: the local moments):
+
+    >>> from types import SimpleNamespace as Object
+    >>> mean, variance = synchronized_moments(Object(distributed=False, step_rows=2),
+    ...                                       torch.tensor([[1.0], [3.0]]), (0,))
+    >>> mean.tolist(), variance.tolist()
+    ([2.0], [1.0])
+    """
+    x = torch.as_tensor(inputs)
+    compute_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    x = x.to(compute_dtype)
+    weight = 1.0 if backend.step_rows > 0 else 0.0
+    count = 1
+    for axis in axes:
+        count *= x.shape[axis]
+    local_sum = torch.sum(x, dim=axes) * weight
+    local_square_sum = torch.sum(x * x, dim=axes) * weight
+    packed = torch.cat([local_sum.reshape(-1), local_square_sum.reshape(-1),
+                        torch.tensor([count * weight], dtype=compute_dtype, device=x.device)])
+    total = _differentiable_all_reduce(backend, packed)
+    channels = local_sum.numel()
+    global_count = total[-1]
+    mean = (total[:channels] / global_count).reshape(local_sum.shape)
+    variance = (total[channels:2 * channels] / global_count).reshape(local_sum.shape) - mean * mean
+    return mean.to(inputs.dtype), variance.to(inputs.dtype)
+
+
+@torch._dynamo.disable
+def _differentiable_all_reduce(backend: TorchEngine, tensor):
+    """Sum over workers through which gradients flow back (torch.distributed.nn)."""
+    if not backend.distributed:
+        return tensor
+    from torch.distributed.nn import functional as distributed_functional
+
+    with backend.guarded("synchronized BatchNormalization all-reduce"):
+        return distributed_functional.all_reduce(tensor)

@@ -1,0 +1,287 @@
+"""Keras' torch trainer made multi-worker: the private-Keras patches, one `PatchTable`.
+
+Keras 3.15.1 has no distribution hooks on torch (keras-team/keras#18870 asks for them; the
+DTensor DataParallel on Keras master is unreleased), so the rows below patch `TorchTrainer`,
+`BatchNormalization`, the torch `Variable` and the optimizers. `TABLE` is installed when the
+strategy joins and uninstalled by `strategy.close()`. Models created outside
+`strategy.scope()` are untouched: every wrapper asks `keras_mwms.backends.torch.state` for the
+model's backend (optimizers: for the model they train) and otherwise calls Keras' original.
+
+What a model created in the scope gets:
+
+* `fit` / `evaluate` inputs are sharded per worker from the *global* batches
+  (`keras_mwms.backends.torch.data`); `predict` runs on the calling worker alone over all the
+  rows it is given, entering no collective (a chief-only `predict` cannot hang); progress
+  output on the chief only.
+* the chief's variables and the distributed train/test steps (`keras_mwms.backends.torch.training`);
+* global-batch gradients in `optimizer.apply` and losses weighted by rows in `scale_loss`
+  (`keras_mwms.backends.torch.gradients`); the optimizer keeps its fast torch class; Keras'
+  torch Adam/AdamW update reuses two scratch buffers (`keras_mwms.backends.torch.fused_adam`);
+* global metric results (`keras_mwms.backends.torch.metrics`);
+* `BatchNormalization(synchronized=True)` with global batch statistics.
+
+Example:
+
+>>> [row.name for row in TABLE][:3]
+['torch-tag-models-in-scope', 'torch-fit-sharded-inputs', 'torch-evaluate-sharded-inputs']
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+
+from keras_mwms import active
+from keras_mwms.backends.patches import Patch, PatchTable
+from keras_mwms.backends.torch import data, fused_adam, gradients, metrics, training
+from keras_mwms.backends.torch.state import STATE, backend_of, model_of
+
+_TRAINER = "keras.src.backend.torch.trainer:TorchTrainer"
+_BATCH_NORM = "keras.src.layers.normalization.batch_normalization:BatchNormalization"
+_NO_HOOKS = "Keras' torch trainer has no distribution hooks (keras-team/keras#18870)"
+
+
+def _quiet_unless_chief(backend, arguments: dict) -> dict:
+    """Progress bars and epoch lines on the chief only (every worker's logs are the same)."""
+    if not backend.is_chief:
+        arguments["verbose"] = 0
+    return arguments
+
+
+# -- TorchTrainer -------------------------------------------------------------------------
+def _tag_models_in_scope(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        backend = active.active_backend()
+        if backend is not None and backend.in_scope:
+            STATE.of(self).backend = backend
+
+    return __init__
+
+
+def _sharded(shard_inputs: Callable, check_tf_config: bool = False) -> Callable:
+    """`fit`/`evaluate` of a tagged model on this worker's shard of the global batches."""
+    def replacement(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def run_on_shard(self, *args, **kwargs):
+            backend = backend_of(self)
+            if backend is None or kwargs.get("_use_cached_eval_dataset"):   # fit's validation
+                return original(self, *args, **kwargs)
+            if check_tf_config:
+                backend.check_tf_config_unchanged(stacklevel=2)
+            return original(self, **_quiet_unless_chief(
+                backend, shard_inputs(backend, original, args, kwargs)))
+
+        return run_on_shard
+
+    return replacement
+
+
+def _local_predict(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def predict(self, *args, **kwargs):
+        backend = backend_of(self)
+        if backend is None or backend.is_chief:
+            return original(self, *args, **kwargs)
+        return original(self, **_quiet_unless_chief(
+            backend, data.bind_arguments(original, args, kwargs)))
+
+    return predict
+
+
+def _distributed_step(prepare: Callable, wrap: Callable) -> Callable:
+    """`make_train_function`/`make_test_function`: `prepare` first, then `wrap` Keras' step."""
+    def replacement(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def make_function(self, *args, **kwargs):
+            backend = backend_of(self)
+            if backend is not None:
+                prepare(self, backend)
+            result = original(self, *args, **kwargs)
+            if backend is not None:
+                wrap(self, backend)
+            return result
+
+        return make_function
+
+    return replacement
+
+
+def _global_metric_results(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _get_metrics_result_or_logs(self, *args, **kwargs):
+        backend = backend_of(self)
+        if backend is None or not backend.distributed:
+            return original(self, *args, **kwargs)
+        logs = signature.bind(self, *args, **kwargs).arguments["logs"]
+        state = STATE.of(self)
+        summed, state.step_metric_sums = getattr(state, "step_metric_sums", None), None
+        if logs is not None and logs is getattr(state, "global_logs", None):
+            return logs    # a custom step's logs, made global when the step ended
+        with metrics.GlobalMetrics(self, backend, summed):
+            return original(self, *args, **kwargs)
+
+    return _get_metrics_result_or_logs
+
+
+# -- BatchNormalization, variables ----------------------------------------------------------
+def _synchronized_batch_norm(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        synchronized = bound.arguments.get("synchronized", False)
+        bound.arguments["synchronized"] = False
+        original(*bound.args, **bound.kwargs)
+        self.synchronized = synchronized
+
+    # Keras' Operation.__new__ reads the signature (also through `inspect.getfullargspec`, which
+    # ignores `__wrapped__`) to build get_config(): it must stay Keras' own.
+    __init__.__signature__ = signature
+    return __init__
+
+
+def _global_moments(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _moments(self, *args, **kwargs):
+        backend = active.active_backend()
+        if not self.synchronized or backend is None:
+            return original(self, *args, **kwargs)
+        values = signature.bind(self, *args, **kwargs).arguments
+        if values["mask"] is not None:
+            return original(self, *args, **kwargs)
+        return gradients.synchronized_moments(backend, values["inputs"], tuple(self._reduction_axes))
+
+    return _moments
+
+
+def _noted_variables(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def _initialize(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        backend = active.active_backend()
+        if backend is not None:
+            backend.note_new_variable(self)
+
+    return _initialize
+
+
+# -- optimizers ---------------------------------------------------------------------------
+def _loss_weighted_by_rows(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def scale_loss(self, *args, **kwargs):
+        loss = original(self, *args, **kwargs)
+        model = model_of(self)
+        backend = backend_of(model) if model is not None else None
+        if backend is None or not backend.distributed:
+            return loss
+        backend.loss_weighted_by_rows = True
+        return loss * float(backend.step_rows)
+
+    return scale_loss
+
+
+def _averaged_gradients(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def apply(self, *args, **kwargs):
+        model = model_of(self)
+        backend = backend_of(model) if model is not None else None
+        if backend is None or not backend.distributed:
+            return original(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        bound.arguments["grads"] = gradients.average_gradients(
+            backend, model, list(bound.arguments["grads"]), bound.arguments.get("trainable_variables"))
+        return original(*bound.args, **bound.kwargs)
+
+    return apply
+
+
+def _adam_without_temporaries(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _parallel_update_step(self, *args, **kwargs):
+        model = model_of(self)
+        if model is not None and not model.jit_compile:
+            values = signature.bind(self, *args, **kwargs).arguments
+            grads, variables = values["grads"], values["variables"]
+            kernel = backend_of(model).options.torch_fused_adam
+            if fused_adam.eligible(self, grads, variables, kernel):
+                fused_adam.update(self, grads, variables, values["learning_rate"], kernel)
+                state = STATE.of(self)
+                state.fused_steps = getattr(state, "fused_steps", 0) + 1
+                return None
+        return original(self, *args, **kwargs)
+
+    return _parallel_update_step
+
+
+_OPTIMIZERS = "keras.src.optimizers"
+_ROWS = f"{_NO_HOOKS}: each worker's loss is weighted by its shard's rows"
+_GRADIENTS = (f"{_NO_HOOKS}: the global-batch gradient (all-reduced, divided by the global rows) "
+              "before Keras clips, unscales and applies it")
+
+TABLE = PatchTable("torch", [
+    Patch("torch-tag-models-in-scope", f"{_TRAINER}.__init__", _tag_models_in_scope,
+          f"{_NO_HOOKS}: models created in strategy.scope() are tagged, the others left alone"),
+    Patch("torch-fit-sharded-inputs", f"{_TRAINER}.fit", _sharded(data.shard_fit_inputs, check_tf_config=True),
+          f"{_NO_HOOKS}: fit's global batches become this worker's shard; progress on the chief",
+          parameters=("x", "y", "batch_size", "verbose", "sample_weight", "class_weight",
+                      "validation_split", "validation_data", "validation_batch_size", "shuffle")),
+    Patch("torch-evaluate-sharded-inputs", f"{_TRAINER}.evaluate", _sharded(data.shard_evaluate_inputs),
+          f"{_NO_HOOKS}: evaluate's global batches become this worker's shard",
+          parameters=("x", "y", "batch_size", "verbose", "sample_weight")),
+    Patch("torch-predict-on-chief-output", f"{_TRAINER}.predict", _local_predict,
+          "predict on every worker prints Keras' progress bar once per worker",
+          parameters=("verbose",)),
+    Patch("torch-train-function", f"{_TRAINER}.make_train_function",
+          _distributed_step(training.prepare_fit, training.wrap_train_function),
+          f"{_NO_HOOKS}: the chief's variables at every fit, the distributed train step"),
+    Patch("torch-test-function", f"{_TRAINER}.make_test_function",
+          _distributed_step(training.prepare_evaluate, training.wrap_test_function),
+          f"{_NO_HOOKS}: the chief's variables before a first evaluate, the distributed test step"),
+    Patch("torch-global-metric-results", f"{_TRAINER}._get_metrics_result_or_logs",
+          _global_metric_results, f"{_NO_HOOKS}: metric results of every worker's rows",
+          parameters=("logs",)),
+    Patch("torch-synchronized-batchnorm", f"{_BATCH_NORM}.__init__", _synchronized_batch_norm,
+          "Keras refuses BatchNormalization(synchronized=True) off TensorFlow (keras-team/keras#19118)",
+          parameters=("synchronized",)),
+    Patch("torch-synchronized-batchnorm-moments", f"{_BATCH_NORM}._moments", _global_moments,
+          "synchronized BatchNormalization is TensorFlow-only in Keras (keras-team/keras#19118): "
+          "the moments become global sums all-reduced across workers, differentiably",
+          parameters=("inputs", "mask")),
+    Patch("torch-scope-variables", "keras.src.backend.torch.core:Variable._initialize",
+          _noted_variables, "creating a Keras variable has no hook: variables created in "
+          "strategy.scope() are noted so the scope's exit sends the chief's values",
+          parameters=("value",)),
+    Patch("torch-loss-weighted-by-rows", f"{_OPTIMIZERS}.base_optimizer:BaseOptimizer.scale_loss",
+          _loss_weighted_by_rows, _ROWS, parameters=("loss",)),
+    Patch("torch-loss-scale-optimizer-rows",
+          f"{_OPTIMIZERS}.loss_scale_optimizer:LossScaleOptimizer.scale_loss",
+          _loss_weighted_by_rows, f"LossScaleOptimizer overrides scale_loss; {_ROWS}",
+          parameters=("loss",)),
+    Patch("torch-gradient-all-reduce", f"{_OPTIMIZERS}.base_optimizer:BaseOptimizer.apply",
+          _averaged_gradients, _GRADIENTS, parameters=("grads", "trainable_variables")),
+    Patch("torch-loss-scale-optimizer-all-reduce",
+          f"{_OPTIMIZERS}.loss_scale_optimizer:LossScaleOptimizer.apply", _averaged_gradients,
+          f"LossScaleOptimizer overrides apply; {_GRADIENTS}",
+          parameters=("grads", "trainable_variables")),
+    Patch("torch-multi-optimizer-all-reduce", f"{_OPTIMIZERS}.multi_optimizer:MultiOptimizer.apply",
+          _averaged_gradients, f"MultiOptimizer overrides apply; {_GRADIENTS}",
+          parameters=("grads", "trainable_variables")),
+    Patch("torch-adam-update",
+          "keras.src.backend.torch.optimizers.torch_adam:Adam._parallel_update_step",
+          _adam_without_temporaries,
+          "Keras' torch Adam/AdamW allocates five model-sized temporaries per update (5.4 vs 1.9 "
+          "ms on the benchmark MLP): the same operations into two reused buffers, bit-identical",
+          parameters=("grads", "variables", "learning_rate")),
+])
