@@ -1,4 +1,4 @@
-"""The backend × fault matrix (issue 9): start-up and training faults on every backend.
+"""The backend × fault matrix: start-up and training faults on every backend.
 
 Each case runs real worker processes of `tests/workers/fault_scenario.py` through the
 launcher's `Gang` (own process groups, `[worker i]` output, kill on exit), watches every worker
@@ -289,15 +289,25 @@ def test_mismatched_backends_fail_fast_naming_the_field(startup_runs, pair):
     assert_no_orphans(observed)
 
 
-def survivor_outcome(observed: Observed, backend: str) -> str:
-    """Asserts that worker 0 named its lost peer, worker 1; returns how, for the table.
+LOST_WORKER_1 = "lost worker 1 (worker:1 at"
 
-    Known gap on JAX (issue 9 report): JAX's coordination service may abort the survivor
-    (SIGABRT) when a peer stops heartbeating, before keras_mwms can raise its `WorkerLostError`.
-    Then only JAX's own words name the task.
+
+def assert_survivor_names_worker_1(observed: Observed) -> None:
+    """Worker 0 raised keras_mwms' `WorkerLostError`, and its message names worker 1."""
+    assert LOST_WORKER_1 in observed.lines(0), observed.log()
+    assert "WorkerLostError" in observed.result(0)["error"], observed.log()
+
+
+def survivor_outcome(observed: Observed, backend: str) -> str:
+    """Asserts that worker 0 said why it stopped after losing worker 1; returns how, for the table.
+
+    Either keras_mwms' `WorkerLostError` naming worker 1, or (JAX only) JAX's own abort: its
+    coordination service may abort the survivor (SIGABRT) when a peer stops heartbeating,
+    before keras_mwms can raise; then only JAX's words name the task, if any.
+    `assert_survivor_names_worker_1` is the strict check.
     """
     output = observed.lines(0)
-    if "lost worker 1 (worker:1 at" in output:
+    if LOST_WORKER_1 in output:
         assert "WorkerLostError" in observed.result(0)["error"], observed.log()
         return "survivor: WorkerLostError names worker 1"
     assert backend == "jax", observed.log()
@@ -344,12 +354,11 @@ def test_callback_raising_on_one_worker_stops_every_worker(training_runs, backen
     observed = training_runs[("raise", backend)]
     assert all(code not in (0, None) for code in observed.codes.values()), observed.log()
     assert "injected failure in a callback on worker 1" in observed.result(1)["error"], observed.log()
-    outcome = survivor_outcome(observed, backend)
     # JAX too: the raising worker leaves without JAX's shutdown barrier, so the survivor's
     # collective fails at once and it names the lost worker.
-    assert outcome == "survivor: WorkerLostError names worker 1", observed.log()
+    assert_survivor_names_worker_1(observed)
     seconds = record("raise in callback, worker 1", observed, observed.fault_time(),
-                     TRAINING_FAULT_BOUND, outcome)
+                     TRAINING_FAULT_BOUND, survivor_outcome(observed, backend))
     assert seconds <= TRAINING_FAULT_BOUND, observed.log()
     assert_no_orphans(observed)
 
@@ -378,12 +387,30 @@ def test_uneven_arrays_are_a_clear_error_on_every_worker(training_runs, backend)
 @pytest.mark.tensorflow
 @pytest.mark.jax
 @pytest.mark.parametrize("backend", STOPPED_BACKENDS)
-def test_hung_worker_is_named_by_the_survivor_within_60_s(training_runs, backend):
+def test_hung_worker_makes_the_survivor_exit_within_60_s_saying_why(training_runs, backend):
     observed = training_runs[("sigstop", backend)]
     assert observed.codes[0] not in (0, None), observed.log()
     assert observed.codes[1] is None   # still stopped when the survivor ended: killed by the stop
-    outcome = survivor_outcome(observed, backend)
     seconds = record("SIGSTOP worker 1", observed, observed.fault_time(), TRAINING_FAULT_BOUND,
-                     outcome + "; stopped one killed")
+                     survivor_outcome(observed, backend) + "; stopped one killed")
     assert seconds <= TRAINING_FAULT_BOUND, observed.log()
     assert_no_orphans(observed)
+
+
+# On JAX the survivor of a SIGSTOPped peer has not named it in the runs so far: JAX's
+# coordination service sees the stopped peer miss its heartbeats and aborts the survivor
+# (SIGABRT) with its own message, which lists task 1 as unhealthy, before keras_mwms can
+# raise its `WorkerLostError`.
+JAX_HUNG_PEER_NOT_NAMED = pytest.mark.xfail(
+    strict=False, reason="JAX: the coordination service aborts the survivor of a SIGSTOPped peer "
+    "(SIGABRT, 'tasks are unhealthy (stopped sending heartbeats): 1') before keras_mwms raises "
+    "WorkerLostError naming worker 1")
+
+
+@pytest.mark.slow
+@pytest.mark.tensorflow
+@pytest.mark.jax
+@pytest.mark.parametrize("backend", [pytest.param(backend, marks=JAX_HUNG_PEER_NOT_NAMED if backend == "jax" else ())
+                                     for backend in STOPPED_BACKENDS])
+def test_hung_worker_is_named_by_the_survivor(training_runs, backend):
+    assert_survivor_names_worker_1(training_runs[("sigstop", backend)])

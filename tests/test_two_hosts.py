@@ -9,7 +9,8 @@ workers end bit-identical, equal to a single process on the same global batches,
 addresses each engine listens on (see the README's Security section).
 
 Needs root and iproute2 (`ip netns`); skipped with the reason otherwise. The namespaces (and
-with them the veth pair) are deleted in a finalizer, and every worker is killed at the end.
+with them the veth pair) are deleted in a finalizer; the workers run under
+`tests.multiworker.run_processes` (prefixed with `ip netns exec`), which kills them all at the end.
 """
 
 from __future__ import annotations
@@ -17,19 +18,15 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import signal
 import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.multiworker import REPO, WORKERS_DIR, worker_env
+from tests.multiworker import Spawn, python_worker, run_processes, worker_env
 from tests.workers.common import load_result, load_weights, max_weight_difference
 
-SCENARIO = str(WORKERS_DIR / "two_hosts_fit.py")
 RUN_TIMEOUT = 240  # seconds for a 2-worker run; measured 44-77 s on a loaded 2-core machine
 GRACE_AFTER_FAILURE = 60  # how long the other worker may take to notice a failed peer
 EQUIVALENCE_TOLERANCE = 1e-5
@@ -100,61 +97,13 @@ def two_hosts():
         _delete_namespaces(namespaces, links)
 
 
-def _kill(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    process.wait(timeout=30)
-
-
-def run_across(hosts: TwoHosts, backend: str, out: Path, port: int) -> tuple[list[int], float, str]:
-    """Runs the scenario with worker i in namespace i; returns exit codes, seconds, output."""
-    base_env = {key: value for key, value in os.environ.items() if key != "TF_CONFIG"}
-    processes, logs = [], []
-    started = time.monotonic()
-    try:
-        for index, namespace in enumerate(hosts.namespaces):
-            log = open(out.parent / f"{out.name}-w{index}.log", "w+")  # noqa: SIM115 - closed below
-            logs.append(log)
-            env = {**base_env, **worker_env(backend), "TF_CONFIG": hosts.tf_config(index, port)}
-            # `ip netns exec` execs the command, so the worker is the process (and group) we hold.
-            processes.append(subprocess.Popen(
-                ["ip", "netns", "exec", namespace, sys.executable, "-u", SCENARIO, str(out)],
-                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        deadline = started + RUN_TIMEOUT
-        while time.monotonic() < deadline and any(p.poll() is None for p in processes):
-            if any(p.poll() not in (None, 0) for p in processes):
-                deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE)
-            time.sleep(0.2)
-        seconds = time.monotonic() - started
-    finally:
-        for process in processes:
-            _kill(process)
-    output = ""
-    for index, log in enumerate(logs):
-        log.seek(0)
-        output += "".join(f"[worker {index}] {line}" for line in log.read().splitlines(keepends=True))
-        log.close()
-    return [p.returncode for p in processes], seconds, output
-
-
-def start_single(backend: str, out: Path) -> subprocess.Popen:
-    """Starts the single-process reference (no TF_CONFIG) in this namespace."""
-    env = {key: value for key, value in os.environ.items() if key != "TF_CONFIG"}
-    return subprocess.Popen([sys.executable, "-u", SCENARIO, str(out)], cwd=REPO,
-                            env={**env, **worker_env(backend)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
 @dataclass
 class AcrossRun:
     backend: str
     hosts: TwoHosts
     port: int
     root: Path
-    codes: list[int]
+    codes: list[int | None]
     output: str
     single_code: int | None
     single_output: str
@@ -162,18 +111,25 @@ class AcrossRun:
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def across(request, two_hosts, tmp_path_factory):
+    """The scenario with worker i in namespace i, and the single-process reference alongside.
+
+    The reference (no TF_CONFIG) runs in this namespace at the same time: it mostly waits for
+    imports while the workers wait for their peer.
+    """
     backend = request.param
     root = tmp_path_factory.mktemp(f"two-hosts-{backend}")
     port = random.randrange(20000, 40000)  # each namespace has its own ports: any one is free
-    # The reference runs alongside: it mostly waits for imports while the gang waits for peers.
-    single = start_single(backend, root / "single")
-    try:
-        codes, seconds, output = run_across(two_hosts, backend, root / "gang", port)
-        single_output, _ = single.communicate(timeout=RUN_TIMEOUT)
-    finally:
-        _kill(single)
-    print(f"\n[two hosts] {backend}: 2 workers across namespaces in {seconds:.1f} s, exit codes {codes}")
-    return AcrossRun(backend, two_hosts, port, root, codes, output, single.returncode, single_output)
+    workers = [Spawn(python_worker("two_hosts_fit.py", str(root / "gang")),
+                     {**worker_env(backend), "TF_CONFIG": two_hosts.tf_config(index, port)},
+                     prefix=("ip", "netns", "exec", namespace))
+               for index, namespace in enumerate(two_hosts.namespaces)]
+    single = Spawn(python_worker("two_hosts_fit.py", str(root / "single")), worker_env(backend))
+    ran = run_processes([*workers, single], timeout=RUN_TIMEOUT, grace_after_failure=GRACE_AFTER_FAILURE)
+    output = "".join(f"[worker {index}] {line}" for index in (0, 1)
+                     for line in ran.outputs[index].splitlines(keepends=True))
+    print(f"\n[two hosts] {backend}: 2 workers across namespaces in {max(ran.seconds[:2]):.1f} s, "
+          f"exit codes {ran.codes[:2]}")
+    return AcrossRun(backend, two_hosts, port, root, ran.codes[:2], output, ran.codes[2], ran.outputs[2])
 
 
 def test_workers_in_two_namespaces_train_like_one_process(across):
