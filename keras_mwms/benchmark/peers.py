@@ -100,7 +100,7 @@ def jax_data_parallel_fit(strategy, config: BenchmarkConfig, model_name: str, re
     def build():
         with scope():
             model = build_keras_model(keras, config, model_name)
-        object.__setattr__(model, "_keras_mwms_jax_path", "dataparallel")  # keep keras_mwms' step out
+        strategy.backend.pin_path(model, "dataparallel")  # keep keras_mwms' flat step out
         return model
 
     def fit(model, callbacks):
@@ -121,7 +121,7 @@ def jax_keras_mwms_data_parallel_fit(strategy, config: BenchmarkConfig, model_na
     def build():
         with strategy.scope():
             model = build_keras_model(keras, config, model_name)
-        object.__setattr__(model, "_keras_mwms_jax_path", "dataparallel")
+        strategy.backend.pin_path(model, "dataparallel")
         return model
 
     def fit(model, callbacks):
