@@ -1,10 +1,15 @@
 """The one fixture every multi-process test uses: start N real processes, bounded, cleaned up.
 
-`run_gang` starts workers through the real launcher's `Gang` (free ports chosen at run time,
-own process groups, `[worker i]`-prefixed output). `run_processes` starts processes whose
-command line, environment (TF_CONFIG included) or argv prefix (`ip netns exec NS`) the test
-chooses itself. Both put a deadline on the whole run; on expiry or any exception every
-process group is killed and the captured output is attached to the failure.
+* `run_gang`: workers through the real launcher's `Gang` (free ports chosen at run time, own
+  process groups, `[worker i]`-prefixed output), all stopped at the first failure, as the
+  launcher does;
+* `watch_gang`: the same gang, but each worker exits on its own (fault tests: do survivors end?);
+* `run_processes`: processes whose command line, environment (TF_CONFIG included) or argv
+  prefix (`ip netns exec NS`) the test chooses itself;
+* `run_launcher`: the `python -m keras_mwms.launch` command line itself.
+
+Each puts a deadline on the whole run and kills every process group at the end, also on an
+exception; what the processes printed is returned, or attached to the failure.
 """
 
 from __future__ import annotations
@@ -93,6 +98,60 @@ def run_gang(command: Sequence[str], workers: int, timeout: float, env: dict[str
     finally:
         gang.stop()
     return GangResult(code, index, capture.getvalue(), gang.addresses)
+
+
+@dataclass
+class WatchedGang:
+    """How each worker of a `watch_gang` run ended; times are wall-clock (`time.time()`).
+
+    `codes[i]` is None for a worker that had not exited on its own when the watch ended (it was
+    then stopped); `orphans` lists (`pgrep -af`) processes still carrying the run's marker.
+    """
+
+    codes: dict[int, int | None]
+    exit_times: dict[int, float]
+    output: str
+    addresses: list[str]
+    started: float
+    orphans: str
+
+    def lines(self, worker: int) -> str:
+        prefix = f"[worker {worker}] "
+        return "\n".join(line[len(prefix):] for line in self.output.splitlines() if line.startswith(prefix))
+
+
+def watch_gang(command: Sequence[str], workers: int, deadline: float, env: dict[str, str] | None = None,
+               wait_for: set[int] | None = None, per_worker_env: dict[int, dict[str, str]] | None = None,
+               marker: str | None = None, grace_period: float = 3.0) -> WatchedGang:
+    """Runs a gang and lets every worker in `wait_for` (default: all) exit *on its own*.
+
+    Unlike `run_gang` and the launcher, a first failure does not stop the others: the point is
+    to see whether survivors end by themselves. Then, or at `deadline` seconds, the rest are
+    stopped as the launcher would (SIGTERM, SIGKILL after `grace_period`). `marker`, a string
+    unique to this run's command line, finds processes left behind afterwards.
+    """
+    capture = _Capture()
+    gang = Gang(list(command), workers, grace_period=grace_period, extra_env=env or {},
+                worker_env=per_worker_env)
+    wait_for = set(range(workers)) if wait_for is None else wait_for
+    exit_times: dict[int, float] = {}
+    started = time.time()
+    try:
+        gang.start(capture)
+        end = time.monotonic() + deadline
+        while time.monotonic() < end and not wait_for <= set(exit_times):
+            for worker in gang.running:
+                if worker.index not in exit_times and worker.process.poll() is not None:
+                    exit_times[worker.index] = time.time()
+            time.sleep(0.1)
+    finally:
+        gang.stop()
+    codes = {worker.index: worker.process.returncode if worker.index in exit_times else None
+             for worker in gang.running}
+    orphans = ""
+    if marker:
+        orphans = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout.strip()
+    return WatchedGang(codes, exit_times, capture.getvalue(), gang.addresses, started, orphans)
 
 
 @dataclass

@@ -25,8 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from keras_mwms.launch import Gang
-from tests.multiworker import _Capture, python_worker, worker_env
+from tests.multiworker import python_worker, watch_gang, worker_env
 
 BACKEND = "torch"
 DISK_BYTES = 256 * 1024
@@ -79,24 +78,9 @@ def full_disk(tmp_path):
 def run_until_all_exit(out: Path, *args: str) -> tuple[dict, dict, str, str]:
     """Runs 2 workers; each must exit on its own. Returns codes, exit times, output, orphans."""
     marker = f"kmwms-disk-{uuid.uuid4().hex[:12]}"
-    command = python_worker("full_disk.py", str(out), "--marker", marker, *args)
-    capture = _Capture()
-    gang = Gang(command, 2, grace_period=3.0, extra_env=worker_env(BACKEND))
-    exit_times: dict[int, float] = {}
-    try:
-        gang.start(capture)
-        end = time.monotonic() + HARD_DEADLINE
-        while time.monotonic() < end and len(exit_times) < 2:
-            for worker in gang.running:
-                if worker.index not in exit_times and worker.process.poll() is not None:
-                    exit_times[worker.index] = time.monotonic()
-            time.sleep(0.1)
-    finally:
-        gang.stop()
-    codes = {worker.index: worker.process.returncode if worker.index in exit_times else None
-             for worker in gang.running}
-    orphans = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout.strip()
-    return codes, exit_times, capture.getvalue(), orphans
+    watched = watch_gang(python_worker("full_disk.py", str(out), "--marker", marker, *args), 2,
+                         HARD_DEADLINE, env=worker_env(BACKEND), marker=marker)
+    return watched.codes, watched.exit_times, watched.output, watched.orphans
 
 
 def lines_of(output: str, worker: int) -> str:
@@ -118,7 +102,7 @@ def test_backup_on_a_full_disk_stops_every_worker_and_keeps_the_last_good_backup
     from keras_mwms.backup_files import POINTER_FILE, read_checkpoint
 
     backup = full_disk(ONE_BACKUP_BYTES) / "backup"
-    started = time.monotonic()
+    started = time.time()
     codes, exit_times, output, orphans = run_until_all_exit(tmp_path / "out", "--backup", str(backup))
     spread = assert_everyone_stopped(codes, exit_times, output, orphans)
     print(f"\n[full disk] BackupAndRestore ({BACKEND}): codes {codes}, chief exited at "
@@ -139,7 +123,7 @@ def test_backup_on_a_full_disk_stops_every_worker_and_keeps_the_last_good_backup
 def test_model_checkpoint_on_a_full_disk_stops_every_worker_and_leaves_no_file(full_disk, tmp_path):
     directory = full_disk(0) / "ckpt"
     target = directory / "model-{epoch:02d}.weights.h5"
-    started = time.monotonic()
+    started = time.time()
     codes, exit_times, output, orphans = run_until_all_exit(tmp_path / "out", "--checkpoint", str(target))
     spread = assert_everyone_stopped(codes, exit_times, output, orphans)
     print(f"\n[full disk] ModelCheckpoint ({BACKEND}): codes {codes}, chief exited at "

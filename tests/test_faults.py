@@ -1,8 +1,8 @@
 """The backend × fault matrix: start-up and training faults on every backend.
 
-Each case runs real worker processes of `tests/workers/fault_scenario.py` through the
-launcher's `Gang` (own process groups, `[worker i]` output, kill on exit), watches every worker
-exit on its own, and asserts: the expected outcome on every live worker within a stated bound,
+Each case runs real worker processes of `tests/workers/fault_scenario.py` through
+`tests.multiworker.watch_gang` (the launcher's `Gang`: own process groups, `[worker i]` output,
+kill on exit), watches every worker exit on its own, and asserts: the expected outcome on every live worker within a stated bound,
 a message naming the worker and the cause, and no orphan process (every command line carries a
 unique marker; `pgrep -f marker` must find nothing afterwards). Cases whose gangs mostly sleep
 or fail fast run their three backends concurrently. The measured exit times go to a JSON table
@@ -15,18 +15,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
-import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
-from keras_mwms.launch import Gang
-from tests.multiworker import REPO, _Capture, python_worker, worker_env
+from tests.multiworker import REPO, WatchedGang, python_worker, watch_gang, worker_env
 
 sys.path.insert(0, str(REPO / "tests" / "workers"))
 import common  # noqa: E402
@@ -39,22 +36,12 @@ TABLE: list[dict] = []
 
 
 @dataclass
-class Observed:
-    """How each worker of one gang ended, in wall-clock seconds since the epoch."""
+class Observed(WatchedGang):
+    """How each worker of one scenario gang ended, in wall-clock seconds since the epoch."""
 
     backend: str
     out: str
     marker: str
-    addresses: list[str]
-    codes: dict[int, int | None] = field(default_factory=dict)
-    exit_times: dict[int, float] = field(default_factory=dict)
-    output: str = ""
-    started: float = 0.0
-    orphans: str = ""
-
-    def lines(self, worker: int) -> str:
-        prefix = f"[worker {worker}] "
-        return "\n".join(line[len(prefix):] for line in self.output.splitlines() if line.startswith(prefix))
 
     def result(self, worker: int) -> dict:
         return common.load_result(self.out, worker)
@@ -72,38 +59,17 @@ def observe(backend: str, out: str, workers: int, *args: str, wait_for: set[int]
             rendezvous_timeout: float = RENDEZVOUS_TIMEOUT) -> Observed:
     """Runs the scenario as a gang and lets every worker in `wait_for` exit *on its own*.
 
-    Unlike the launcher, a first failure does not stop the others here: the point is to see
-    whether survivors end by themselves. Workers outside `wait_for` (a stopped one) and any
-    worker still alive at `deadline` are then stopped as the launcher would (SIGTERM, SIGKILL).
+    Workers outside `wait_for` (a stopped one) and any worker still alive at `deadline` are
+    then stopped as the launcher would (SIGTERM, SIGKILL); see `tests.multiworker.watch_gang`.
     """
     marker = f"kmwms-fault-{uuid.uuid4().hex[:12]}"
     env = worker_env(backend, KERAS_MWMS_RENDEZVOUS_TIMEOUT=str(rendezvous_timeout))
-    command = python_worker("fault_scenario.py", out, "--marker", marker, *args)
-    capture = _Capture()
     os.makedirs(out, exist_ok=True)
-    gang = Gang(command, workers, grace_period=3.0, extra_env=env, worker_env=per_worker_env)
-    observed = Observed(backend, out, marker, gang.addresses, started=time.time())
-    wait_for = set(range(workers)) if wait_for is None else wait_for
-    try:
-        gang.start(capture)
-        end = time.monotonic() + deadline
-        while time.monotonic() < end:
-            for worker in gang.running:
-                if worker.index not in observed.exit_times and worker.process.poll() is not None:
-                    observed.exit_times[worker.index] = time.time()
-            if wait_for <= set(observed.exit_times):
-                break
-            time.sleep(0.1)
-    finally:
-        gang.stop()
-    observed.codes = {worker.index: (worker.process.returncode if worker.index in observed.exit_times
-                                     else None) for worker in gang.running}
-    observed.output = capture.getvalue()
+    watched = watch_gang(python_worker("fault_scenario.py", out, "--marker", marker, *args), workers,
+                         deadline, env=env, wait_for=wait_for, per_worker_env=per_worker_env, marker=marker)
     with open(os.path.join(out, "gang.log"), "w") as handle:
-        handle.write(observed.output)
-    found = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True)
-    observed.orphans = found.stdout.strip()
-    return observed
+        handle.write(watched.output)
+    return Observed(**vars(watched), backend=backend, out=out, marker=marker)
 
 
 def concurrently(function, backends=BACKENDS) -> dict[str, Observed]:
