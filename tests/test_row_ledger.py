@@ -13,8 +13,8 @@ by step, which rows each step used and with what weight, and the assertions are 
     whole batches, so there the 2-row batch may come at any step);
 (c) every row is used exactly once per epoch;
 (d) the steps use the same rows, in the same order, as plain Keras in one process with the same
-    seed — shuffled inputs included: the seed fixes the order, and N workers must equal one
-    process (DESIGN.md §3).
+    seed — shuffled inputs included: the seed fixes the order, and N workers must train like
+    one process on the same global batches.
 
 The ledger sees what a step does to the weights, not which replica computed which row: a
 placement that keeps every row's global weight (say, a partial batch split evenly over the

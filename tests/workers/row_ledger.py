@@ -56,7 +56,7 @@ VARIANTS = {
     "dataloader": ("dataloader", False, None, False),
     "dataloader_shuffled": ("dataloader", True, None, False),
     # As most scripts run: each worker's global RNGs seeded differently (the chief with SEED).
-    # `shuffle=True` must still give one global order (DESIGN.md §3), the chief's. A tf.data
+    # `shuffle=True` must still give one global order, the chief's, as in one process. A tf.data
     # shuffle is the user's own pipeline, seeded by the user, so it is not among these.
     "arrays_shuffled_worker_seeds": ("arrays", True, None, True),
     "pydataset_shuffled_worker_seeds": ("pydataset", True, None, True),
