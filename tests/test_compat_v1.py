@@ -1,4 +1,5 @@
-"""compat.v1 methods and the seed's known issues on 2 real workers per backend."""
+"""compat.v1 methods and known multi-worker pitfalls (a partial batch's MEAN, `task_type` branching,
+a strategy created after the backend ran) on 2 real workers per backend."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def results(request, tmp_path_factory):
     return request.param, [load_result(str(out), index) for index in range(2)]
 
 
-def test_seed_partial_batch_reduce_uses_the_global_denominator(results):
+def test_partial_batch_reduce_uses_the_global_denominator(results):
     _, (chief, worker) = results
     for observed in (chief, worker):
         assert observed["reduce_sum_axis0"] == pytest.approx(15.0)

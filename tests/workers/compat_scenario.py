@@ -1,4 +1,4 @@
-"""The compat.v1 strategy surface and the seed's known issues, on 2 real workers.
+"""The compat.v1 strategy surface and known multi-worker pitfalls, on 2 real workers.
 
 Writes `<out>/w<index>.json` with every observed value; tests/test_compat_v1.py asserts.
 """
@@ -25,7 +25,7 @@ def numpy(value):
     return keras.ops.convert_to_numpy(value).tolist()
 
 
-# The seed's partial-batch example: a global batch of 6 split [0, 1, 2, 3] / [4, 5].
+# A partial batch: a global batch of 6 rows split [0, 1, 2, 3] / [4, 5]; MEAN divides by 6 rows.
 local = np.array([0.0, 1.0, 2.0, 3.0] if index == 0 else [4.0, 5.0], dtype="float32")
 per_replica = strategy.run(lambda: keras.ops.convert_to_tensor(local))
 results["reduce_sum_axis0"] = numpy(strategy.reduce("SUM", per_replica, axis=0))
@@ -66,7 +66,7 @@ try:
 except NotImplementedError as error:
     results["update_config_proto"] = f"NotImplementedError: {error}"
 
-# The seed's `task_type == "worker"` branching.
+# Scripts that branch on `task_type == "worker"`.
 if strategy.cluster_resolver.task_type == "worker":
     results["branch"] = f"worker {strategy.cluster_resolver.task_id}"
 common.save_result(out, index, **results)

@@ -1,4 +1,4 @@
-"""Uses the backend before creating the strategy (the seed's known issue); prints the outcome.
+"""Uses the backend before creating the strategy (TF and JAX cannot join a cluster then); prints the outcome.
 
 Prints `RESULT ok <replicas>` if the strategy was created and trains, else
 `RESULT error <type>: <message>`. On torch, `--own-process-group` first starts a one-process
