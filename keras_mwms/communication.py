@@ -1,7 +1,7 @@
 """Which collective engine to use: `CommunicationImplementation` and `CommunicationOptions`.
 
 The names follow `tf.distribute.experimental`. Each backend maps the request onto its real
-engine (see `resolve_engine` in each `keras_mwms/backends/<name>.py`):
+engine (see `resolve_engine` in each backend's `keras_mwms.backends.<name>.engine`):
 
 | request | TensorFlow              | JAX                  | torch              |
 |---------|-------------------------|----------------------|--------------------|

@@ -267,21 +267,3 @@ def different_first_batches_warning(digests: list[str | None], what: str) -> str
         "seed, or with a different seed per worker: use `.shuffle(buffer, seed=S)` with the same "
         "S everywhere (or call keras.utils.set_random_seed(S) with the same S on every worker "
         "before building the dataset).")
-
-
-def warn_if_first_batches_differ(backend, x, what: str, per_worker_data: bool, stacklevel: int) -> None:
-    """Warns on every worker when the workers' tf.data inputs start differently (one broadcast each).
-
-    `backend` offers `num_workers` and `broadcast_object(value, root)`; `per_worker_data`
-    (AutoShardPolicy.OFF) skips the check: such datasets differ by design. Nothing keras_mwms
-    can fix, and silent otherwise (rows used twice and never); see `first_batch_digest`.
-    """
-    import warnings
-
-    if backend.num_workers == 1:
-        return
-    digest = None if per_worker_data else first_batch_digest(x)
-    digests = [backend.broadcast_object(digest, root=root) for root in range(backend.num_workers)]
-    message = different_first_batches_warning(digests, what)
-    if message is not None:
-        warnings.warn(message, stacklevel=stacklevel)

@@ -1,8 +1,10 @@
 """Backend adapters: everything that touches TensorFlow, JAX, torch or Keras internals.
 
-One module per Keras backend, each defining a `Backend` subclass (see `base.py` for the
-common interface). Private Keras patches live only here, each named, commented with its
-upstream issue and guarded by `base.require_tested_keras`.
+One subpackage per Keras backend (`tensorflow`, `jax`, `torch`), each defining a `Backend`
+subclass of `base.Backend` (the engine interface and its collective port) and its private
+Keras patches as one `patches.PatchTable`: every row named, with the upstream issue it works
+around and the Keras releases it was tested on. What is the same on every backend lives once,
+in `policy` (row checks, dummy rows, metric reduction, lost-worker message and exit).
 """
 
 from __future__ import annotations

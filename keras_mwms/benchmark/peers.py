@@ -2,7 +2,7 @@
 
 | backend    | peer variant            | what users would run instead of keras_mwms                     |
 |------------|-------------------------|----------------------------------------------------------------|
-| tensorflow | `keras3+tf.distribute`  | Keras 3 + `tf.distribute.MultiWorkerMirroredStrategy`, with only the two Keras 3.15.1 crash fixes (the patch functions of `keras_mwms.backends.tensorflow`) |
+| tensorflow | `keras3+tf.distribute`  | Keras 3 + `tf.distribute.MultiWorkerMirroredStrategy`, with only the two Keras 3.15.1 crash fixes (the crash-repair rows of `keras_mwms.backends.tensorflow.patches`) |
 | tensorflow | `tf-keras+tf.distribute`| tf-keras 2.21 (legacy Keras 2) + `tf.distribute.MultiWorkerMirroredStrategy` |
 | jax        | `keras.DataParallel`    | Keras' own `fit` (unpatched) under `keras.distribution.DataParallel`, each process feeding its shard |
 | jax        | `keras_mwms DataParallel path` | keras_mwms' `fit` with the model pinned to its previous (pre-flat) path: `KERAS_MWMS_JAX_PATH=dataparallel` behaviour |
