@@ -109,8 +109,11 @@ class Patch:
         """`module:Owner.attribute`, as written in the table."""
         if isinstance(self.target, str):
             return self.target
-        owner = getattr(self.target, "__qualname__", type(self.target).__name__)
-        return f"{getattr(self.target, '__module__', '?')}:{owner}.{self.attribute}"
+        if isinstance(self.target, (type, types.ModuleType)):
+            owner = getattr(self.target, "__qualname__", self.target.__name__)
+            return f"{getattr(self.target, '__module__', self.target.__name__)}:{owner}.{self.attribute}"
+        kind = type(self.target)
+        return f"{kind.__module__}:{kind.__qualname__} instance.{self.attribute}"
 
     def resolve(self) -> tuple[Any, str]:
         """The owner object and attribute name this row patches (imports the module)."""
