@@ -1,7 +1,8 @@
 """Which collective engine to use: `CommunicationImplementation` and `CommunicationOptions`.
 
-The names follow `tf.distribute.experimental`. Each backend maps the request onto its real
-engine (see `resolve_engine` in each backend's `keras_mwms.backends.<name>.engine`):
+The names follow `tf.distribute.experimental`. One rule decides RING or NCCL for every backend
+(`keras_mwms.backends.policy.choose_implementation`); each backend's
+`resolve_engine(implementation, gpu_count)` names the real engine that answer means:
 
 | request | TensorFlow              | JAX                  | torch              |
 |---------|-------------------------|----------------------|--------------------|

@@ -246,3 +246,25 @@ def test_policy_imports_no_ml_framework():
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr[-2000:]
     assert completed.stdout.strip() == "[]", completed.stdout
+
+
+@pytest.mark.parametrize("requested, gpus, nccl_usable, expected, warns", [
+    ("AUTO", 0, None, "RING", False),
+    ("AUTO", 2, None, "NCCL", False),
+    ("AUTO", 2, False, "RING", False),      # GPUs, but a build without NCCL
+    ("RING", 2, None, "RING", False),
+    ("NCCL", 1, None, "NCCL", False),
+    ("NCCL", 0, None, "RING", True),        # TF and JAX fall back, saying so
+    ("NCCL", 1, False, "RING", True),
+])
+def test_one_rule_picks_ring_or_nccl(requested, gpus, nccl_usable, expected, warns):
+    from keras_mwms.communication import CommunicationImplementation as Impl
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        chosen = policy.choose_implementation(Impl[requested], gpus, "Fake", "sockets", nccl_usable=nccl_usable)
+    assert chosen is Impl[expected]
+    messages = [str(w.message) for w in caught]
+    assert bool(messages) == warns, messages
+    if warns:
+        assert "Fake collectives use RING (sockets)" in messages[0] and "NCCL was requested" in messages[0]

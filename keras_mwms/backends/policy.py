@@ -14,6 +14,8 @@ collectives lives here and imports no ML framework:
 - **metric reduction** — `metric_reduction` says how one metric state variable combines over
   workers (sum, max, min, or the chief's), `GlobalMetricState` swaps the global state in while
   logs are computed;
+- **the collective engine** — `choose_implementation`: which of RING or NCCL a request
+  (AUTO / RING / NCCL) gets on this worker; each backend maps the answer to its engine name;
 - **lost workers** — `worker_label`, `lost_worker_message` and `raise_worker_lost`: one message
   naming the lost workers, one bounded exit (`CommunicationOptions.lost_worker_exit_seconds`).
 
@@ -247,6 +249,41 @@ class GlobalMetricState:
         for (_, variable), saved in zip(self.pairs, self.saved):
             variable.assign(saved)
         return False
+
+
+# -- the collective engine ----------------------------------------------------------------
+
+
+def choose_implementation(requested: Any, gpu_count: int, backend: str, ring_engine: str,
+                          nccl_usable: bool | None = None) -> Any:
+    """RING or NCCL for a requested `CommunicationImplementation`: the rule every backend follows.
+
+    AUTO is NCCL when this worker sees a GPU and NCCL is usable, RING otherwise; RING is RING;
+    NCCL is NCCL when usable, otherwise RING with a warning naming what this worker lacks.
+    `nccl_usable` defaults to `gpu_count > 0`. A backend that cannot fall back (torch raises
+    `NcclUnavailableError`) checks before calling.
+
+    Example:
+
+    >>> from keras_mwms.communication import CommunicationImplementation as Impl
+    >>> choose_implementation(Impl.AUTO, 0, "JAX", "gloo").name, choose_implementation(Impl.AUTO, 2, "JAX", "gloo").name
+    ('RING', 'NCCL')
+    """
+    from keras_mwms.communication import CommunicationImplementation
+
+    usable = gpu_count > 0 if nccl_usable is None else nccl_usable
+    if requested is CommunicationImplementation.RING:
+        return CommunicationImplementation.RING
+    if usable:
+        return CommunicationImplementation.NCCL
+    if requested is CommunicationImplementation.NCCL:
+        missing = "has no GPU" if gpu_count == 0 else "cannot use NCCL"
+        warnings.warn(
+            f"CommunicationImplementation.NCCL was requested but this worker {missing}: the {backend} "
+            f"collectives use RING ({ring_engine}) instead. Request RING or AUTO to silence this.",
+            stacklevel=4,
+        )
+    return CommunicationImplementation.RING
 
 
 # -- lost workers -------------------------------------------------------------------------

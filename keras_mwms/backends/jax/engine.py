@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from keras_mwms.backends import policy
 from keras_mwms.backends.base import Backend
 from keras_mwms.backends.jax import flat, surface
 from keras_mwms.backends.jax.faults import LostWorkerForensics, coordination_client
@@ -54,45 +55,47 @@ HEARTBEAT_TIMEOUT_SECONDS = 20
 SHUTDOWN_TIMEOUT_SECONDS = 20
 
 
-def gpu_possible() -> bool:
-    """True if this JAX install could see a GPU, decided without initialising any JAX backend.
+def likely_gpu_count() -> int:
+    """GPUs this JAX worker will see, judged before JAX starts (starting it would be too early).
+
+    0 without a CUDA/ROCm plugin, with `JAX_PLATFORMS` excluding GPUs, or with
+    `CUDA_VISIBLE_DEVICES` hiding them; otherwise the visible list's length, or 1 when unset.
 
     Example:
 
-    >>> isinstance(gpu_possible(), bool)
-    True
+    >>> from unittest import mock
+    >>> with mock.patch.dict("os.environ", {"JAX_PLATFORMS": "cpu"}):
+    ...     likely_gpu_count()
+    0
     """
     platforms = os.environ.get("JAX_PLATFORMS", "")
-    if platforms and "cuda" not in platforms and "gpu" not in platforms:
-        return False
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
-        return False
-    return any(importlib.util.find_spec(name) is not None
-               for name in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin"))
+    if platforms and "cuda" not in platforms and "gpu" not in platforms and "rocm" not in platforms:
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", None)
+    if visible in ("", "-1"):
+        return 0
+    if not any(importlib.util.find_spec(name) is not None
+               for name in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin")):
+        return 0
+    return len(visible.split(",")) if visible else 1
 
 
-def resolve_engine(implementation: CommunicationImplementation, has_gpu: bool) -> str:
-    """The JAX collective engine for a requested implementation.
+def resolve_engine(implementation: CommunicationImplementation, gpu_count: int) -> str:
+    """The JAX collective engine a request gets on a worker with `gpu_count` GPUs.
+
+    `policy.choose_implementation` decides; RING is gloo (CPU collectives), NCCL is XLA's NCCL.
+    RING on a GPU worker warns: JAX runs GPU collectives with NCCL whatever is asked.
 
     Example:
 
-    >>> resolve_engine(CommunicationImplementation.AUTO, has_gpu=False)
-    'gloo'
-    >>> resolve_engine(CommunicationImplementation.AUTO, has_gpu=True)
-    'nccl'
+    >>> resolve_engine(CommunicationImplementation.AUTO, 0), resolve_engine(CommunicationImplementation.AUTO, 1)
+    ('gloo', 'nccl')
     """
-    if implementation == CommunicationImplementation.NCCL:
-        if has_gpu:
-            return "nccl"
-        warnings.warn("CommunicationImplementation.NCCL was requested but this worker has no GPU; "
-                      "keras_mwms uses gloo for the JAX CPU collectives instead.", stacklevel=3)
-        return "gloo"
-    if implementation == CommunicationImplementation.RING:
-        if has_gpu:
-            warnings.warn("CommunicationImplementation.RING: JAX runs GPU collectives with NCCL; "
-                          "gloo is used for CPU collectives only.", stacklevel=3)
-        return "gloo"
-    return "nccl" if has_gpu else "gloo"
+    if implementation is CommunicationImplementation.RING and gpu_count > 0:
+        warnings.warn("CommunicationImplementation.RING: JAX runs GPU collectives with NCCL; "
+                      "gloo is used for CPU collectives only.", stacklevel=3)
+    chosen = policy.choose_implementation(implementation, gpu_count, "JAX", "gloo")
+    return "nccl" if chosen is CommunicationImplementation.NCCL else "gloo"
 
 
 class JaxBackend(Backend):
@@ -113,7 +116,7 @@ class JaxBackend(Backend):
 
     def __init__(self, resolver, options, tf_config_at_creation: str = ""):
         super().__init__(resolver, options, tf_config_at_creation)
-        self._engine = resolve_engine(options.implementation, gpu_possible())
+        self._engine = resolve_engine(options.implementation, likely_gpu_count())
         self._joined = False
         self._distribution = None
         self._mesh = None

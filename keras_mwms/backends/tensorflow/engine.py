@@ -20,8 +20,8 @@ multi-worker strategy).
 
 Example:
 
->>> resolve_engine(CommunicationImplementation.RING, gpu_count=0)
-<CommunicationImplementation.RING: 'RING'>
+>>> resolve_engine(CommunicationImplementation.AUTO, gpu_count=0)
+'ring'
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ from __future__ import annotations
 import functools
 import pickle
 import re
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from keras_mwms import active
+from keras_mwms.backends import policy
 from keras_mwms.backends.base import Backend
 from keras_mwms.backends.patches import PatchTable
 from keras_mwms.backends.tensorflow import patches
@@ -51,24 +51,18 @@ DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = None
 _TASK_PATTERN = re.compile(r"/job:(\w+)/(?:replica:\d+/)?task:(\d+)")
 
 
-def resolve_engine(implementation: CommunicationImplementation, gpu_count: int) -> CommunicationImplementation:
-    """The TF collective implementation actually used for a request on this machine.
+def resolve_engine(implementation: CommunicationImplementation, gpu_count: int) -> str:
+    """The TF collective implementation a request gets on a worker with `gpu_count` GPUs.
 
-    NCCL needs GPUs; on a CPU-only worker it falls back to RING, with a warning that says so.
+    `policy.choose_implementation` decides (NCCL without a GPU: a warning, then RING); the
+    answer is TF's `CommunicationImplementation` member name in lower case.
 
     Example:
 
-    >>> resolve_engine(CommunicationImplementation.AUTO, 0)
-    <CommunicationImplementation.AUTO: 'AUTO'>
+    >>> resolve_engine(CommunicationImplementation.AUTO, 0), resolve_engine(CommunicationImplementation.AUTO, 1)
+    ('ring', 'nccl')
     """
-    if implementation is CommunicationImplementation.NCCL and gpu_count == 0:
-        warnings.warn(
-            "CommunicationImplementation.NCCL was requested but this worker has no GPU: "
-            "TensorFlow collectives use RING (gRPC) instead. Request RING or AUTO to silence this.",
-            stacklevel=3,
-        )
-        return CommunicationImplementation.RING
-    return implementation
+    return policy.choose_implementation(implementation, gpu_count, "TensorFlow", "gRPC").value.lower()
 
 
 def tf_cluster_resolver(resolver: ClusterResolver):
@@ -157,7 +151,8 @@ class TensorFlowBackend(Backend):
         from keras_mwms import devices
 
         self.gpu_count = devices.local_gpu_count()
-        self.implementation = resolve_engine(options.implementation, self.gpu_count)
+        self.implementation = CommunicationImplementation(
+            resolve_engine(options.implementation, self.gpu_count).upper())
         self.strategy = None
         self.row_weighting: RowWeighting | None = None
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from keras_mwms import devices, network
+from keras_mwms.backends import policy
 from keras_mwms.backends.base import Backend
 from keras_mwms.backends.torch import faults
 from keras_mwms.cluster import ClusterResolver, split_address
@@ -67,30 +68,28 @@ class NcclUnavailableError(RuntimeError):
     """
 
 
-def resolve_engine(implementation: CommunicationImplementation) -> str:
-    """The `torch.distributed` backend name for a requested implementation.
+def resolve_engine(implementation: CommunicationImplementation, gpu_count: int) -> str:
+    """The `torch.distributed` backend a request gets on a worker with `gpu_count` GPUs.
 
-    AUTO: nccl with CUDA, gloo otherwise. RING: gloo. NCCL: nccl, or `NcclUnavailableError` at
-    once (before any network wait) when CUDA or NCCL is missing.
+    `policy.choose_implementation` decides (AUTO: nccl with CUDA and NCCL, gloo otherwise;
+    RING: gloo), except that torch does not fall back: NCCL where CUDA or NCCL is missing
+    raises `NcclUnavailableError` at once, before any network wait.
 
     Example:
 
-    >>> resolve_engine(CommunicationImplementation.RING)
-    'gloo'
+    >>> resolve_engine(CommunicationImplementation.RING, 0), resolve_engine(CommunicationImplementation.AUTO, 0)
+    ('gloo', 'gloo')
     """
-    has_cuda = devices.local_gpu_count() > 0
-    if implementation == CommunicationImplementation.RING:
-        return "gloo"
-    if implementation == CommunicationImplementation.AUTO:
-        return "nccl" if has_cuda and dist.is_nccl_available() else "gloo"
-    if not has_cuda or not dist.is_nccl_available():
-        missing = "no CUDA device is visible" if not has_cuda else "this torch build lacks NCCL"
+    nccl_usable = gpu_count > 0 and dist.is_nccl_available()
+    if implementation is CommunicationImplementation.NCCL and not nccl_usable:
+        missing = "no CUDA device is visible" if gpu_count == 0 else "this torch build lacks NCCL"
         raise NcclUnavailableError(
             f"CommunicationImplementation.NCCL was requested but {missing} (torch "
             f"{torch.__version__}). Use CommunicationImplementation.AUTO (gloo on CPU) or RING, or "
             "run on a machine with CUDA GPUs and a CUDA build of torch."
         )
-    return "nccl"
+    chosen = policy.choose_implementation(implementation, gpu_count, "torch", "gloo", nccl_usable=nccl_usable)
+    return "nccl" if chosen is CommunicationImplementation.NCCL else "gloo"
 
 
 class TorchEngine(Backend):
@@ -123,7 +122,7 @@ class TorchEngine(Backend):
 
     def engine_description(self) -> str:
         if self._engine is None:
-            self._engine = resolve_engine(self.options.implementation)
+            self._engine = resolve_engine(self.options.implementation, devices.local_gpu_count())
         return self._engine
 
     @property
