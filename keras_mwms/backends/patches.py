@@ -7,10 +7,20 @@ the parameters the target must still accept. A backend's rows form a `PatchTable
 strategy installs it when the backend joins and `MultiWorkerMirroredStrategy.close()`
 uninstalls it, restoring every original exactly.
 
+The supported releases are declared once, here: `SUPPORTED_KERAS` (Keras minor releases,
+each tested at its newest patch release) and `SUPPORTED_BACKENDS`; pyproject.toml and the
+README's compatibility table say the same (`tests/test_versions.py` checks that they agree).
+Every row declares the Keras releases it serves (`keras_versions`, the whole range unless a
+release differs) and, where an internal differs between releases, a feature test (`applies`,
+e.g. `KerasHas(target)`) picks the row that fits: one row per behaviour, selected by what
+the installed Keras has rather than by its version string.
+
 Before a row is applied the table checks, loudly and before anything is changed:
 
-- the Keras release (rows name the releases they were tested on; set
-  `KERAS_MWMS_ALLOW_UNTESTED_KERAS=1` to try others, with a warning);
+- the Keras release, and the backend's for a backend's table: inside the supported range
+  nothing is said; outside it `install()` raises, naming the installed and supported releases
+  and the override (`KERAS_MWMS_ALLOW_UNTESTED_KERAS=1`: try anyway, with one warning, with the
+  rows written for the newest supported release);
 - the target exists and still accepts the parameters the replacement relies on.
 
 Replacements that wrap the original forward `*args, **kwargs`, so a Keras release that adds a
@@ -36,6 +46,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import re
 import types
 import warnings
 import weakref
@@ -43,35 +54,168 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-TESTED_KERAS_VERSIONS = ("3.15.1",)
+SUPPORTED_KERAS = ("3.12", "3.13", "3.14", "3.15")
+"""The Keras minor releases keras_mwms supports; each was tested at its newest patch release."""
+TESTED_KERAS = ("3.12.4", "3.13.2", "3.14.1", "3.15.1")
+"""The releases the version smoke (`make version-smoke`) and the suite (3.15.1) run on."""
+SUPPORTED_BACKENDS = {
+    "tensorflow": ("2.19", "2.20", "2.21"),
+    "jax": ("0.9", "0.10"),
+    "torch": ("2.10", "2.11", "2.12", "2.13", "2.14"),
+}
+"""The backend minor releases keras_mwms supports, by module name."""
 ANY_KERAS = ("*",)
 ALLOW_UNTESTED_ENV = "KERAS_MWMS_ALLOW_UNTESTED_KERAS"
 
+_RELEASE = re.compile(r"(\d+)\.(\d+)(?:\.\d+)*(?:\+[\w.]+)?")
+_warned: set[tuple[str, str]] = set()
 
-def require_tested_keras(patch_name: str, versions: tuple[str, ...] = TESTED_KERAS_VERSIONS) -> None:
-    """Fails loudly before a private-Keras patch is applied to a Keras release it was not tested on.
 
-    Set `KERAS_MWMS_ALLOW_UNTESTED_KERAS=1` to try anyway (a warning says so).
+def release_series(version: str) -> str:
+    """The minor release a version belongs to; a pre-release (dev, rc) is a series of its own.
 
     Example:
 
-    >>> require_tested_keras("example", ANY_KERAS)   # a row that fits every release
+    >>> release_series("3.14.1"), release_series("2.13.0+cpu"), release_series("0.9.0.1")
+    ('3.14', '2.13', '0.9')
+    >>> release_series("3.16.0.dev2026102704")
+    '3.16.0.dev2026102704'
     """
-    if versions == ANY_KERAS:
-        return
-    import keras
+    match = _RELEASE.fullmatch(version)
+    return f"{match.group(1)}.{match.group(2)}" if match else version
 
-    if keras.__version__ in versions:
+
+def describe_releases(series: tuple[str, ...]) -> str:
+    """`("3.12", "3.13", "3.14")` -> `"3.12–3.14"`; any other set is listed.
+
+    Example:
+
+    >>> describe_releases(SUPPORTED_KERAS), describe_releases(("3.15",)), describe_releases(ANY_KERAS)
+    ('3.12–3.15', '3.15', 'any')
+    """
+    if series == ANY_KERAS:
+        return "any"
+    minors = [tuple(int(part) for part in name.split(".")) for name in series]
+    consecutive = all(b == (a[0], a[1] + 1) for a, b in zip(minors, minors[1:]))
+    if len(series) > 2 and consecutive:
+        return f"{series[0]}–{series[-1]}"
+    return ", ".join(series)
+
+
+def installed_version(package: str) -> str | None:
+    """`package.__version__` if the module is already imported or importable, else None."""
+    try:
+        module = importlib.import_module(package)
+    except ImportError:
+        return None
+    return getattr(module, "__version__", None)
+
+
+def unsupported_versions(backend: str | None = None) -> list[str]:
+    """What is installed outside the supported range: `"Keras 3.16.0.dev… (supported: 3.12–3.15)"`.
+
+    Checks Keras, and the backend module `backend` (`"tensorflow"`, `"jax"`, `"torch"`) if given.
+
+    Example:
+
+    >>> unsupported_versions()   # the installed Keras is a supported one
+    []
+    """
+    found = []
+    for package, series in [("keras", SUPPORTED_KERAS), *(
+            [(backend, SUPPORTED_BACKENDS[backend])] if backend in SUPPORTED_BACKENDS else [])]:
+        version = installed_version(package)
+        if version is not None and release_series(version) not in series:
+            label = "Keras" if package == "keras" else package
+            found.append(f"{label} {version} (supported: {describe_releases(series)})")
+    return found
+
+
+def require_supported_versions(backend: str | None = None) -> None:
+    """Fails loudly before a private-Keras patch is applied outside the supported releases.
+
+    Inside the range it says nothing. Set `KERAS_MWMS_ALLOW_UNTESTED_KERAS=1` to try other
+    releases anyway (one warning per release says so).
+
+    Example:
+
+    >>> require_supported_versions()   # the installed Keras is supported: silent
+    """
+    outside = unsupported_versions(backend)
+    if not outside:
         return
     if os.environ.get(ALLOW_UNTESTED_ENV) == "1":
-        warnings.warn(f"keras_mwms patch {patch_name!r} applied to untested Keras {keras.__version__}.",
-                      stacklevel=3)
+        new = [text for text in outside if (backend or "", text) not in _warned]
+        _warned.update((backend or "", text) for text in new)
+        if new:
+            warnings.warn(f"keras_mwms patches private Keras internals; it is trying "
+                          f"{'; '.join(new)} because {ALLOW_UNTESTED_ENV}=1.", stacklevel=3)
         return
     raise RuntimeError(
-        f"keras_mwms patch {patch_name!r} patches private Keras internals and is tested only with "
-        f"Keras {', '.join(versions)}; this is Keras {keras.__version__}. Install a tested Keras "
-        f"(pip install keras=={versions[-1]}) or set {ALLOW_UNTESTED_ENV}=1 to try."
+        f"keras_mwms patches private Keras internals and supports Keras "
+        f"{describe_releases(SUPPORTED_KERAS)} (tested: {', '.join(TESTED_KERAS)}) with TensorFlow "
+        f"{describe_releases(SUPPORTED_BACKENDS['tensorflow'])}, JAX "
+        f"{describe_releases(SUPPORTED_BACKENDS['jax'])} or torch "
+        f"{describe_releases(SUPPORTED_BACKENDS['torch'])}; installed: {'; '.join(outside)}. "
+        f"Install a supported release (pip install 'keras>={SUPPORTED_KERAS[0]},"
+        f"<{_next_minor(SUPPORTED_KERAS[-1])}') or set {ALLOW_UNTESTED_ENV}=1 to try anyway."
     )
+
+
+def _next_minor(series: str) -> str:
+    major, minor = series.split(".")
+    return f"{major}.{int(minor) + 1}"
+
+
+def serves_installed_keras(keras_versions: tuple[str, ...]) -> bool:
+    """Whether a row declared for `keras_versions` is meant for the installed Keras.
+
+    Outside the supported range (only reached with the override) the rows written for the
+    newest supported release are tried.
+
+    Example:
+
+    >>> serves_installed_keras(ANY_KERAS), serves_installed_keras(SUPPORTED_KERAS)
+    (True, True)
+    """
+    if keras_versions == ANY_KERAS:
+        return True
+    import keras
+
+    series = release_series(keras.__version__)
+    if series not in SUPPORTED_KERAS:
+        series = SUPPORTED_KERAS[-1]
+    return series in keras_versions
+
+
+class KerasHas:
+    """A feature test for `Patch.applies`: does this Keras have `"module:Owner.attribute"`?
+
+    Example:
+
+    >>> KerasHas("keras.src.trainers.epoch_iterator:EpochIterator")()
+    True
+    >>> KerasHas("keras.src.no_such_module:Thing")(), str(KerasHas("json:dumps"))
+    (False, '`json:dumps` exists')
+    """
+
+    def __init__(self, target: str):
+        self.target = target
+
+    def __call__(self) -> bool:
+        module_name, _, path = self.target.partition(":")
+        try:
+            owner: Any = importlib.import_module(module_name)
+        except ImportError:
+            return False
+        for part in filter(None, path.split(".")):
+            owner = getattr(owner, part, _MISSING)
+            if owner is _MISSING:
+                return False
+        return True
+
+    def __str__(self) -> str:
+        return f"`{self.target}` exists"
 
 
 @dataclass(frozen=True)
@@ -93,8 +237,12 @@ class Patch:
             string naming the attribute last.
         replacement: `original -> replacement`; wrappers forward `*args, **kwargs`.
         works_around: the upstream issue or the Keras behaviour the patch corrects.
-        keras_versions: the Keras releases the patch was tested on (`ANY_KERAS`: public API only).
+        keras_versions: the Keras minor releases the row serves (default: all of
+            `SUPPORTED_KERAS`; `ANY_KERAS`: public API only).
         parameters: parameter names the original must accept (checked before patching).
+        applies: a feature test (e.g. `KerasHas("module:Owner")`) for an internal that differs
+            between releases: the row is applied only where it returns True, so each behaviour
+            has its own row. None: always (a missing target is then an error).
     """
 
     name: str
@@ -102,8 +250,13 @@ class Patch:
     replacement: Callable[[Callable], Callable]
     works_around: str
     attribute: str | None = None
-    keras_versions: tuple[str, ...] = TESTED_KERAS_VERSIONS
+    keras_versions: tuple[str, ...] = SUPPORTED_KERAS
     parameters: tuple[str, ...] = ()
+    applies: Callable[[], bool] | None = None
+
+    def serves_installed_keras(self) -> bool:
+        """Whether this row is for the installed Keras: its releases, then its feature test."""
+        return serves_installed_keras(self.keras_versions) and (self.applies is None or self.applies())
 
     def location(self) -> str:
         """`module:Owner.attribute`, as written in the table."""
@@ -143,7 +296,7 @@ def _check_signature(row: Patch, original: Callable) -> None:
             f"keras_mwms patch {row.name!r} expects {row.location()} to accept "
             f"{', '.join(row.parameters)}, but this Keras release's version lacks "
             f"{', '.join(missing)}. This Keras changed an internal keras_mwms relies on; install a "
-            f"tested Keras ({', '.join(TESTED_KERAS_VERSIONS)}) and report the release you use."
+            f"tested Keras ({', '.join(TESTED_KERAS)}) and report the release you use."
         )
 
 
@@ -180,18 +333,22 @@ class PatchTable:
         return bool(self._originals)
 
     def install(self) -> None:
-        """Checks every row (release, target, signature), then applies them all."""
+        """Checks the releases, then every row that serves this Keras (target, signature),
+        then applies them all."""
         if self.installed:
             return
+        if any(row.keras_versions != ANY_KERAS for row in self.rows):
+            require_supported_versions(self.name)
         planned = []
         for row in self.rows:
-            require_tested_keras(row.name, row.keras_versions)
+            if not row.serves_installed_keras():
+                continue
             owner, attribute = row.resolve()
             raw = _raw_attribute(owner, attribute)
             if raw is _MISSING:
                 raise RuntimeError(f"keras_mwms patch {row.name!r}: {row.location()} does not exist "
                                    "in this Keras release; install a tested Keras "
-                                   f"({', '.join(TESTED_KERAS_VERSIONS)}).")
+                                   f"({', '.join(TESTED_KERAS)}).")
             original = getattr(owner, attribute)
             _check_signature(row, original)
             planned.append((row, owner, attribute, raw, original))
@@ -215,10 +372,11 @@ class PatchTable:
                 setattr(owner, attribute, raw)
 
     def markdown(self) -> str:
-        """The table as Markdown rows (name, target, works around, Keras releases)."""
+        """The table as Markdown rows (name, target, works around, Keras releases served)."""
         lines = ["| patch | target | works around | Keras |", "|---|---|---|---|"]
         lines += [f"| `{row.name}` | `{row.location()}` | {row.works_around} | "
-                  f"{', '.join(row.keras_versions)} |" for row in self.rows]
+                  f"{describe_releases(row.keras_versions)}"
+                  f"{'' if row.applies is None else f', where {row.applies}'} |" for row in self.rows]
         return "\n".join(lines)
 
 

@@ -33,7 +33,7 @@ import inspect
 from collections.abc import Callable
 
 from keras_mwms import active
-from keras_mwms.backends.patches import Patch, PatchTable
+from keras_mwms.backends.patches import KerasHas, Patch, PatchTable
 from keras_mwms.backends.torch import data, fused_adam, gradients, metrics, training
 from keras_mwms.backends.torch.state import STATE, backend_of, model_of
 
@@ -277,7 +277,8 @@ TABLE = PatchTable("torch", [
           parameters=("grads", "trainable_variables")),
     Patch("torch-multi-optimizer-all-reduce", f"{_OPTIMIZERS}.multi_optimizer:MultiOptimizer.apply",
           _averaged_gradients, f"MultiOptimizer overrides apply; {_GRADIENTS}",
-          parameters=("grads", "trainable_variables")),
+          parameters=("grads", "trainable_variables"), keras_versions=("3.15",),
+          applies=KerasHas(f"{_OPTIMIZERS}.multi_optimizer:MultiOptimizer")),   # new in Keras 3.15
     Patch("torch-adam-update",
           "keras.src.backend.torch.optimizers.torch_adam:Adam._parallel_update_step",
           _adam_without_temporaries,
