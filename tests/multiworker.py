@@ -6,6 +6,7 @@
 * `watch_gang`: the same gang, but each worker exits on its own (fault tests: do survivors end?);
 * `run_processes`: processes whose command line, environment (TF_CONFIG included) or argv
   prefix (`ip netns exec NS`) the test chooses itself;
+* `run_one_process`: one process without TF_CONFIG, e.g. the single-process reference;
 * `run_launcher`: the `python -m keras_mwms.launch` command line itself.
 
 Each puts a deadline on the whole run and kills every process group at the end, also on an
@@ -294,3 +295,14 @@ def _kill_groups(processes: Sequence[subprocess.Popen], pumps: Sequence[threadin
             pass
     for pump in pumps:
         pump.join(timeout=5)
+
+
+def run_one_process(command: Sequence[str], timeout: float, env: dict[str, str] | None = None) -> str:
+    """Runs `command` as one process without TF_CONFIG (the single-process reference).
+
+    Returns what it printed; raises `AssertionError` with its output if it exits non-zero or
+    outlives `timeout`.
+    """
+    result = run_processes([Spawn(command, env or {})], timeout)
+    assert result.codes[0] == 0, result.log()
+    return result.outputs[0]

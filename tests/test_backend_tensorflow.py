@@ -1,22 +1,21 @@
-"""keras_mwms on the TensorFlow backend, with real worker processes (tests/workers/tensorflow_*.py).
+"""keras_mwms on the TensorFlow backend, with real worker processes.
 
-Each scenario runs once (module-scoped fixtures) as a gang of workers and, where equivalence is
-checked, once more as the single-process reference without TF_CONFIG; the tests read the dumps.
-Nothing here imports TensorFlow or Keras: the pytest process stays backend-free.
+Each scenario of `tests/workers/fit_scenario.py` runs once (module-scoped fixtures) as a gang of
+workers and, where equivalence is checked, once more as the single-process reference without
+TF_CONFIG; the tests read the dumps. Nothing here imports TensorFlow or Keras: the pytest
+process stays backend-free.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import time
 
 import numpy as np
 import pytest
 
 from keras_mwms.launch import find_free_ports
-from tests.multiworker import REPO, python_worker, run_gang, worker_env
+from tests.multiworker import Spawn, python_worker, run_gang, run_one_process, run_processes, worker_env
 from tests.workers.common import load_result, load_weights, max_weight_difference
 
 pytestmark = pytest.mark.tensorflow
@@ -24,33 +23,30 @@ pytestmark = pytest.mark.tensorflow
 GANG_TIMEOUT = 420.0
 EQUIVALENCE_TOLERANCE = 1e-5
 
-# name: (workers, scenario arguments). Global batch 48 splits evenly over 2 and 3 workers.
+# This module's settings for every scenario: 192 rows in global batches of 48 (even over 2 and
+# 3 workers, a partial last evaluate batch), plain SGD, seed 1 (worker i: 1 + i by worker).
+BASE = ["--rows", "192", "--batch-size", "48", "--momentum", "0", "--seed", "1"]
+# name: (workers, scenario flags).
 SCENARIOS = {
     "arrays_shuffled_sgd": (2, ["--data", "arrays", "--shuffle", "--optimizer", "sgd", "--seed-by-worker",
                                 "--validation", "split"]),
     # jit_compile=True: TF's XLA has no CPU collectives, so keras_mwms warns and trains unjitted.
     "dataset_shuffled_sgd": (2, ["--data", "dataset", "--shuffle", "--optimizer", "sgd", "--jit-compile"]),
-    "arrays_batchnorm_adam": (3, ["--data", "arrays", "--model", "batchnorm", "--optimizer", "adam",
+    "arrays_batchnorm_adam": (3, ["--data", "arrays", "--batch-norm", "synchronized", "--optimizer", "adam",
                                   "--seed-by-worker"]),
 }
 
 
-def _reference_env() -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if key != "TF_CONFIG"}
-    env.update(worker_env("tensorflow"))
-    return env
+def _fit_scenario(out: str, *flags: str) -> list[str]:
+    return python_worker("fit_scenario.py", out, *BASE, *flags)
 
 
-def _run_reference(script: str, out: str, *arguments: str) -> str:
-    completed = subprocess.run(python_worker(script, out, *arguments), env=_reference_env(), cwd=REPO,
-                               capture_output=True, text=True, timeout=GANG_TIMEOUT)
-    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
-    return completed.stdout + completed.stderr
+def _run_reference(out: str, *flags: str) -> str:
+    return run_one_process(_fit_scenario(out, *flags), GANG_TIMEOUT, env=worker_env("tensorflow"))
 
 
-def _run_workers(script: str, workers: int, out: str, *arguments: str):
-    result = run_gang(python_worker(script, out, *arguments), workers, GANG_TIMEOUT,
-                      env=worker_env("tensorflow"))
+def _run_workers(workers: int, out: str, *flags: str):
+    result = run_gang(_fit_scenario(out, *flags), workers, GANG_TIMEOUT, env=worker_env("tensorflow"))
     assert result.returncode == 0, result.output[-8000:]
     return result
 
@@ -59,8 +55,8 @@ def _run_workers(script: str, workers: int, out: str, *arguments: str):
 def equivalence_run(request, tmp_path_factory):
     workers, arguments = SCENARIOS[request.param]
     root = tmp_path_factory.mktemp(request.param)
-    gang = _run_workers("tensorflow_fit.py", workers, str(root / "gang"), *arguments)
-    reference_output = _run_reference("tensorflow_fit.py", str(root / "single"),
+    gang = _run_workers(workers, str(root / "gang"), *arguments)
+    reference_output = _run_reference(str(root / "single"),
                                       *[a for a in arguments if a not in ("--seed-by-worker", "--jit-compile")])
     return {"name": request.param, "workers": workers, "gang": str(root / "gang"), "single": str(root / "single"),
             "gang_result": gang, "reference_output": reference_output}
@@ -88,9 +84,19 @@ def test_jit_compile_on_cpu_workers_warns_and_trains_unjitted(equivalence_run):
 @pytest.mark.slow
 def test_workers_seeded_differently_start_identical(equivalence_run):
     gang, workers = equivalence_run["gang"], equivalence_run["workers"]
-    initial = [np.load(os.path.join(gang, f"w{index}.init.npz")) for index in range(workers)]
-    for weights in initial[1:]:
-        assert all(np.array_equal(weights[key], initial[0][key]) for key in initial[0].files)
+    probes = [load_result(gang, index)["seed_probe"] for index in range(workers)]
+    seeded_by_worker = "--seed-by-worker" in SCENARIOS[equivalence_run["name"]][1]
+    assert len(set(probes)) == (workers if seeded_by_worker else 1), probes
+    # Right after the scope built the model, every worker holds the chief's initial weights,
+    # which are the one process's (same seed as the chief).
+    reference = _initial_weights(equivalence_run["single"], 0)
+    for index in range(workers):
+        assert max_weight_difference(_initial_weights(gang, index), reference) == 0.0
+
+
+def _initial_weights(out: str, index: int) -> list:
+    with np.load(os.path.join(out, f"w{index}.init.npz")) as data:
+        return [data[f"arr_{i}"] for i in range(len(data.files))]
 
 
 @pytest.mark.slow
@@ -135,8 +141,9 @@ def test_single_worker_warns_once(equivalence_run):
 @pytest.fixture(scope="module")
 def dropout_pydataset_run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("dropout") / "gang")
-    _run_workers("tensorflow_fit.py", 2, out, "--data", "pydataset", "--model", "dropout",
-                 "--validation", "data", "--seed-by-worker")
+    # --shuffle: fit's default, which shuffles the order of a PyDataset's batches.
+    _run_workers(2, out, "--data", "pydataset", "--shuffle", "--dropout", "0.3", "--validation", "data",
+                 "--seed-by-worker")
     return out
 
 
@@ -153,7 +160,7 @@ def test_dropout_on_pydataset_with_validation_stays_bit_identical(dropout_pydata
 @pytest.fixture(scope="module")
 def unsharded_run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("shard_off") / "gang")
-    result = _run_workers("tensorflow_fit.py", 2, out, "--data", "dataset_off", "--rows", "220")
+    result = _run_workers(2, out, "--data", "dataset_off", "--rows", "220")
     return out, result
 
 
@@ -171,8 +178,11 @@ def test_autoshard_off_uses_every_row_of_each_worker(unsharded_run):
 @pytest.fixture(scope="module")
 def seed_examples(tmp_path_factory):
     root = tmp_path_factory.mktemp("seed")
-    _run_workers("tensorflow_seed.py", 2, str(root / "gang"))
-    _run_reference("tensorflow_seed.py", str(root / "single"))
+    result = run_gang(python_worker("tensorflow_seed.py", str(root / "gang")), 2, GANG_TIMEOUT,
+                      env=worker_env("tensorflow"))
+    assert result.returncode == 0, result.output[-8000:]
+    run_one_process(python_worker("tensorflow_seed.py", str(root / "single")), GANG_TIMEOUT,
+                    env=worker_env("tensorflow"))
     return str(root / "gang"), str(root / "single")
 
 
@@ -216,13 +226,9 @@ def test_missing_worker_is_named_within_the_rendezvous_timeout(tmp_path):
     ports = find_free_ports(2)
     tf_config = json.dumps({"cluster": {"worker": [f"localhost:{port}" for port in ports]},
                             "task": {"type": "worker", "index": 0}})
-    env = _reference_env()
-    env.update(TF_CONFIG=tf_config, KERAS_MWMS_RENDEZVOUS_TIMEOUT="8")
-    started = time.monotonic()
-    completed = subprocess.run(python_worker("tensorflow_fit.py", str(tmp_path)), env=env, cwd=REPO,
-                               capture_output=True, text=True, timeout=GANG_TIMEOUT)
-    elapsed = time.monotonic() - started
-    assert completed.returncode != 0
-    assert "RendezvousError" in completed.stderr and "worker:1" in completed.stderr, completed.stderr[-3000:]
+    env = worker_env("tensorflow", TF_CONFIG=tf_config, KERAS_MWMS_RENDEZVOUS_TIMEOUT="8")
+    result = run_processes([Spawn(_fit_scenario(str(tmp_path)), env)], GANG_TIMEOUT)
+    output, elapsed = result.outputs[0], result.seconds[0]
+    assert result.codes[0] != 0, output[-3000:]
+    assert "RendezvousError" in output and "worker:1" in output, output[-3000:]
     assert elapsed < 8 + 60, f"took {elapsed:.0f} s"   # 8 s rendezvous timeout + imports
-
