@@ -1,38 +1,36 @@
 """Multi-process acceptance tests of the JAX backend (`keras_mwms/backends/jax/`).
 
-Each scenario runs `tests/workers/jax_fit.py` once as a real gang (fit + evaluate + predict +
-dumps) and once as the single-process reference (no TF_CONFIG); the tests compare the dumps
+Each scenario runs `tests/workers/fit_scenario.py` once as a real gang (fit + evaluate + predict
++ dumps) and once as the single-process reference (no TF_CONFIG); the tests compare the dumps
 with numpy only, so this pytest process never imports JAX or Keras.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
-from keras_mwms.cluster import make_tf_config
-from keras_mwms.launch import find_free_ports
-from tests.multiworker import python_worker, run_gang, worker_env
+from tests.multiworker import python_worker, run_gang, run_one_process, watch_gang, worker_env
+from tests.workers.fit_scenario import load_dump
 
 pytestmark = [pytest.mark.jax, pytest.mark.slow]
 
-SCRIPT = "jax_fit.py"
 GANG_TIMEOUT = 400
 REFERENCE_TIMEOUT = 300
 
+# This module's settings for every scenario: 256 rows, SGD with momentum 0.9, seed 0 (worker i:
+# i by worker), quiet; evaluate and predict on the training rows in batches of 48 (a partial
+# last batch of 16 rows).
+BASE = ["--verbose", "0", "--evaluate-on", "training", "--evaluate-batch-size", "48"]
 SCENARIOS = {
     # 2 workers, arrays, SGD, no shuffle, BatchNormalization, workers seeded differently,
     # validation data, a partial last batch (256 = 5 × 48 + 16), the custom-loop primitives.
     # BatchNormalization sends the model to the DataParallel path (global batch statistics).
     "sgd_batchnorm": dict(workers=2, path="dataparallel",
-                          args=["--batch-norm", "--seed-per-worker", "--validation", "--primitives",
+                          args=["--batch-norm", "local", "--seed-by-worker", "--validation", "data", "--primitives",
                                 "--batch-size", "48"]),
     # 2 workers × 2 CPU devices = 4 replicas (DataParallel), arrays, Adam (16 steps), shuffle, Dropout.
     "adam_shuffle_dropout_4replicas": dict(workers=2, path="dataparallel",
@@ -43,27 +41,21 @@ SCENARIOS = {
     # keras_mwms.data.replica_slices says; workers 1 and 2 step on a zero-weight row); two steps per
     # execution (Keras loops the flat step in Python: 6 steps an epoch = 3 executions).
     "tfdata_adam_3workers_flat": dict(workers=3, path="flat",
-                                      args=["--input", "tfdata", "--optimizer", "adam", "--seed-per-worker",
-                                            "--validation", "--batch-size", "48", "--steps-per-execution", "2"]),
+                                      args=["--data", "dataset", "--optimizer", "adam", "--seed-by-worker",
+                                            "--validation", "data", "--batch-size", "48",
+                                            "--steps-per-execution", "2"]),
     # The flat path forced on BatchNormalization + Dropout + shuffle: per-worker batch statistics
     # and masks, so no single-process reference; workers must stay bit-identical (moving
     # statistics averaged) and evaluate/predict global.
     "forced_flat_batchnorm_dropout": dict(workers=2, path="flat", reference=None,
-                                          args=["--batch-norm", "--dropout", "0.2", "--shuffle",
-                                                "--seed-per-worker", "--batch-size", "48"],
+                                          args=["--batch-norm", "local", "--dropout", "0.2", "--shuffle",
+                                                "--seed-by-worker", "--batch-size", "48"],
                                           env={"KERAS_MWMS_JAX_PATH": "flat"}),
 }
 
 
-def load_dump(out_dir, index):
-    with open(os.path.join(out_dir, f"w{index}.json")) as handle:
-        result = json.load(handle)
-    with np.load(os.path.join(out_dir, f"w{index}.npz")) as data:
-        arrays = [data[f"arr_{i}"] for i in range(len(data.files))]
-    count = result["num_weights"]
-    result["final"], result["initial"], result["predictions"] = (
-        arrays[:count], arrays[count:2 * count], arrays[2 * count])
-    return result
+def _fit_scenario(out: str, *flags: str) -> list[str]:
+    return python_worker("fit_scenario.py", out, *BASE, *flags)
 
 
 def max_difference(a, b):
@@ -71,13 +63,9 @@ def max_difference(a, b):
 
 
 def run_reference(out_dir, args, extra_env):
-    env = dict(os.environ)
-    env.pop("TF_CONFIG", None)
-    env.update(worker_env("jax", **extra_env))
-    env.pop("JAX_NUM_CPU_DEVICES", None)  # the reference is one process on one device
-    completed = subprocess.run(python_worker(SCRIPT, out_dir, *args), env=env, capture_output=True,
-                               text=True, timeout=REFERENCE_TIMEOUT)
-    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+    # The reference is one process on one device.
+    env = worker_env("jax", **{key: value for key, value in extra_env.items() if key != "JAX_NUM_CPU_DEVICES"})
+    run_one_process(_fit_scenario(out_dir, *args), REFERENCE_TIMEOUT, env=env)
     return load_dump(out_dir, 0)
 
 
@@ -88,7 +76,7 @@ def scenario_runs(tmp_path_factory):
     for name, spec in SCENARIOS.items():
         env = spec.get("env", {})
         gang_dir = tmp_path_factory.mktemp(f"{name}_gang")
-        result = run_gang(python_worker(SCRIPT, str(gang_dir), *spec["args"]), spec["workers"],
+        result = run_gang(_fit_scenario(str(gang_dir), *spec["args"]), spec["workers"],
                           GANG_TIMEOUT, env=worker_env("jax", **env))
         assert result.returncode == 0, result.output[-8000:]
         workers = [load_dump(str(gang_dir), index) for index in range(spec["workers"])]
@@ -103,6 +91,8 @@ def scenario_runs(tmp_path_factory):
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_workers_bit_identical_and_equal_to_one_process(scenario_runs, name):
     reference, workers = scenario_runs[name]
+    probes = {worker["seed_probe"] for worker in workers}
+    assert len(probes) == (len(workers) if "--seed-by-worker" in SCENARIOS[name]["args"] else 1), probes
     for worker in workers[1:]:
         assert max_difference(worker["initial"], workers[0]["initial"]) == 0.0
         assert max_difference(worker["final"], workers[0]["final"]) == 0.0
@@ -150,44 +140,19 @@ def test_custom_loop_primitives(scenario_runs):
         assert worker["distributed_sums"] == [28.0, 92.0]   # sum(0..7), sum(8..15)
 
 
-def spawn_independent_workers(workers, args, timeout):
-    """Starts workers without a supervisor (the launcher would stop survivors itself)."""
-    addresses = [f"localhost:{port}" for port in find_free_ports(workers)]
-    processes = []
-    for index in range(workers):
-        env = dict(os.environ)
-        env.update(worker_env("jax", TF_CONFIG=make_tf_config(addresses, index), PYTHONUNBUFFERED="1"))
-        processes.append(subprocess.Popen(python_worker(SCRIPT, *args), env=env, text=True,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
-    ended, outputs = {}, {}
-    deadline = time.time() + timeout
-    try:
-        while len(ended) < workers and time.time() < deadline:
-            for index, process in enumerate(processes):
-                if index not in ended and process.poll() is not None:
-                    ended[index] = (process.returncode, time.time())
-            time.sleep(0.2)
-    finally:
-        for index, process in enumerate(processes):
-            if process.poll() is None:
-                os.killpg(process.pid, 9)
-            outputs[index] = process.communicate()[0]
-    return ended, outputs, addresses
-
-
 def test_peer_killed_mid_epoch_survivors_name_it(tmp_path):
-    ended, outputs, addresses = spawn_independent_workers(
-        3, [str(tmp_path), "--die-worker", "1", "--die-after", "3", "--slow-steps", "0.2"], GANG_TIMEOUT)
+    # Each worker exits on its own: the launcher would stop the survivors itself.
+    watched = watch_gang(_fit_scenario(str(tmp_path), "--kill-worker", "1", "--kill-after-batch", "3",
+                                       "--seconds-per-batch", "0.2"), 3, GANG_TIMEOUT, env=worker_env("jax"))
+    outputs = {index: watched.lines(index) for index in range(3)}
     log = "\n".join(f"--- worker {i}\n{text[-3000:]}" for i, text in outputs.items())
-    assert sorted(ended) == [0, 1, 2], log
+    assert None not in watched.codes.values(), log
     crash = re.search(r"simulating a crash at ([0-9.]+)", outputs[1])
-    assert crash and ended[1][0] == 9, log
+    assert crash and watched.codes[1] == 9, log
     for survivor in (0, 2):
-        code, exit_time = ended[survivor]
-        assert code != 0, log
-        assert exit_time - float(crash.group(1)) <= 60, log
-        assert f"lost worker 1 (worker:1 at {addresses[1]})" in outputs[survivor], log
+        assert watched.codes[survivor] != 0, log
+        assert watched.exit_times[survivor] - float(crash.group(1)) <= 60, log
+        assert f"lost worker 1 (worker:1 at {watched.addresses[1]})" in outputs[survivor], log
         assert "worker 0 (" not in outputs[survivor].split("lost ", 1)[1].split(" during")[0], log
         assert "worker 2 (" not in outputs[survivor].split("lost ", 1)[1].split(" during")[0], log
 
