@@ -6,7 +6,7 @@ STAMP := $(VENV)/.keras_mwms-installed
 # The slowest cases are listed at the end of every run, so CI logs show where the time goes.
 PYTEST_ARGS ?= --durations=25
 
-.PHONY: install test lint demo guides bench-quick clean
+.PHONY: install test lint demo guides bench-quick version-smoke keras-nightly clean
 
 install: $(STAMP)
 
@@ -18,10 +18,12 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -c "import keras, tensorflow, jax, torch; print('installed keras', keras.__version__, '| tensorflow', tensorflow.__version__, '| jax', jax.__version__, '| torch', torch.__version__)"
 	touch $(STAMP)
 
-# The suite, then the CI benchmark (`bench-quick`, under 2 min here): CI runs both through `make test`,
-# so its log ends with the ratio table. `$(BIN)/python -m pytest` alone runs just the suite.
+# The suite, the version smoke (`version-smoke`, about 4 min here) and the CI benchmark
+# (`bench-quick`, under 2 min here): CI runs all three through `make test`, so its log shows the
+# compatibility table and ends with the ratio table. `$(BIN)/python -m pytest` alone runs just the suite.
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory version-smoke
 	$(MAKE) --no-print-directory bench-quick
 
 lint: install
@@ -38,6 +40,19 @@ demo: install
 # prints the tables (ratio keras_mwms/native last), writes build/bench-quick/benchmark.{json,png}.
 bench-quick: install
 	$(BIN)/python -m keras_mwms.benchmark --quick --out build/bench-quick
+
+# Every other supported Keras minor release (newest patch each) as a pure-Python overlay over
+# this venv (build/keras-overlays/, backends as pinned), and the installed one: per backend,
+# 2 workers vs one process of plain Keras, plus BackupAndRestore kill/resume on torch; prints the
+# compatibility table (scripts/version_smoke.py).
+KERAS_SMOKE ?= 3.12.4 3.13.2 3.14.1 installed
+version-smoke: install
+	$(BIN)/python scripts/version_smoke.py $(KERAS_SMOKE)
+
+# Not in CI: the newest keras-nightly the index serves, as an overlay, through the same smoke and
+# tests/test_callbacks.py; prints what broke (exit 0 either way).
+keras-nightly: install
+	KERAS_MWMS_ALLOW_UNTESTED_KERAS=1 $(BIN)/python scripts/version_smoke.py nightly --callbacks --report-only
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

@@ -6,7 +6,8 @@ TensorFlow, JAX and torch stay as installed. For each release and each backend o
 real processes — 2 workers and one process of plain Keras, started together on free ports —
 trains `tests/workers/version_smoke.py` (SGD, 2 epochs) and must end with:
 
-* the 2 workers bit-identical, and within 1e-5 of the one process (max |Δw|);
+* the 2 workers bit-identical, and within 1e-5 of the one process (max |Δw|, and the loss of
+  a final `evaluate`);
 * the Keras release asked for (the overlay took effect) and, inside the supported range, no
   warning about an untested release;
 
@@ -64,6 +65,7 @@ class Cell:
     resume_ok: bool | None = None
     seconds: float = 0.0
     problems: list[str] = field(default_factory=list)
+    broken_rows: list[str] = field(default_factory=list)
 
     def verdict(self) -> str:
         if self.ok:
@@ -143,6 +145,9 @@ def equivalence(cell: Cell, overlay: Path | None, out: Path, in_range: bool) -> 
         cell.problems.append(f"workers differ by {cell.workers_delta:.3g}")
     if not cell.reference_delta <= TOLERANCE:
         cell.problems.append(f"{cell.reference_delta:.3g} from one process (> {TOLERANCE:g})")
+    losses = [load_result(out / "workers", 0)["evaluate_loss"], load_result(out / "reference", 0)["evaluate_loss"]]
+    if not abs(losses[0] - losses[1]) <= TOLERANCE * max(1.0, abs(losses[1])):
+        cell.problems.append(f"evaluate loss {losses[0]:.8g} vs one process {losses[1]:.8g}")
     cell.ok = not cell.problems
 
 
@@ -170,6 +175,16 @@ def resume(cell: Cell, overlay: Path | None, out: Path) -> None:
         else:
             cell.resume_ok = True
     cell.ok = cell.ok and cell.resume_ok
+
+
+def broken_rows(overlay: Path | None, backend: str) -> list[str]:
+    """The patch rows this release breaks on `backend` (`tests/workers/version_smoke_rows.py`)."""
+    process = subprocess.run(python_worker("version_smoke_rows.py"), env=_environment(overlay, backend),
+                             capture_output=True, text=True, timeout=GANG_TIMEOUT)
+    rows = [line[4:] for line in process.stdout.splitlines() if line.startswith("ROW ")]
+    if process.returncode != 0:
+        rows.append(f"(listing the rows failed: {_last_error(process.stdout + process.stderr)})")
+    return rows
 
 
 def _last_error(output: str) -> str:
@@ -253,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
                 equivalence(cell, overlay, out, in_range)
                 if backend == arguments.resume_backend and cell.ok:
                     resume(cell, overlay, out)
+                if not cell.ok:
+                    cell.broken_rows = broken_rows(overlay, backend)
                 cells.append(cell)
                 print(f"   {backend:<10} {cell.verdict()}"
                       f"{'' if cell.resume_ok is None else f', resume ✅ {cell.resume_delta:.1g}' if cell.resume_ok else ''}"
@@ -262,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
                 callback_results.append((version, code, summary))
                 print(f"   tests/test_callbacks.py: exit {code}\n{summary}", flush=True)
     print_table(cells, arguments.resume_backend)
+    for cell in cells:
+        if cell.broken_rows:
+            print(f"patch rows Keras {cell.keras} breaks on {cell.backend}:")
+            print("\n".join(f"  {row}" for row in cell.broken_rows))
     for version, code, summary in callback_results:
         print(f"tests/test_callbacks.py on Keras {version}: {'✅ passed' if code == 0 else '❌'}; {summary}")
     print(f"version smoke: {time.monotonic() - started:.0f} s wall")

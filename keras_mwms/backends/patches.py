@@ -339,19 +339,7 @@ class PatchTable:
             return
         if any(row.keras_versions != ANY_KERAS for row in self.rows):
             require_supported_versions(self.name)
-        planned = []
-        for row in self.rows:
-            if not row.serves_installed_keras():
-                continue
-            owner, attribute = row.resolve()
-            raw = _raw_attribute(owner, attribute)
-            if raw is _MISSING:
-                raise RuntimeError(f"keras_mwms patch {row.name!r}: {row.location()} does not exist "
-                                   "in this Keras release; install a tested Keras "
-                                   f"({', '.join(TESTED_KERAS)}).")
-            original = getattr(owner, attribute)
-            _check_signature(row, original)
-            planned.append((row, owner, attribute, raw, original))
+        planned = [(row, *_plan(row)) for row in self.rows if row.serves_installed_keras()]
         for row, owner, attribute, raw, original in planned:
             replacement = row.replacement(original)
             if isinstance(raw, staticmethod):
@@ -361,6 +349,26 @@ class PatchTable:
             own = not isinstance(owner, type) or attribute in vars(owner)
             setattr(owner, attribute, replacement)
             self._originals.append((owner, attribute, raw if own else _INHERITED))
+
+    def check(self) -> list[str]:
+        """Why rows that serve the installed Keras could not be applied (target, signature), one
+        message per row, without changing anything; the releases are not checked. For trying a
+        new Keras: `install()` stops at the first problem, this lists them all.
+
+        Example:
+
+        >>> PatchTable("example", [Patch("gone", "json:no_such_function", lambda f: f, "an example",
+        ...                              keras_versions=ANY_KERAS)]).check()  # doctest: +ELLIPSIS
+        ["keras_mwms patch 'gone': json:no_such_function does not exist in this Keras release..."]
+        """
+        problems = []
+        for row in self.rows:
+            try:
+                if row.serves_installed_keras():
+                    _plan(row)
+            except RuntimeError as error:
+                problems.append(str(error))
+        return problems
 
     def uninstall(self) -> None:
         """Restores every original, last patched first."""
@@ -378,6 +386,22 @@ class PatchTable:
                   f"{describe_releases(row.keras_versions)}"
                   f"{'' if row.applies is None else f', where {row.applies}'} |" for row in self.rows]
         return "\n".join(lines)
+
+
+def _plan(row: Patch) -> tuple[Any, str, Any, Any]:
+    """The owner, attribute, raw and bound original a row patches; RuntimeError if it cannot."""
+    try:
+        owner, attribute = row.resolve()
+        raw = _raw_attribute(owner, attribute)
+    except (ImportError, AttributeError):
+        raw = _MISSING
+    if raw is _MISSING:
+        raise RuntimeError(f"keras_mwms patch {row.name!r}: {row.location()} does not exist in this "
+                           f"Keras release ({installed_version('keras')}); install a tested Keras "
+                           f"({', '.join(TESTED_KERAS)}).")
+    original = getattr(owner, attribute)
+    _check_signature(row, original)
+    return owner, attribute, raw, original
 
 
 _MISSING = object()

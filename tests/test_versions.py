@@ -1,0 +1,234 @@
+"""The supported releases: declared once, honoured by every patch row, pyproject and the README.
+
+`keras_mwms.backends.patches` declares the range (`SUPPORTED_KERAS`, `SUPPORTED_BACKENDS`);
+these tests hold everything else to it without any gang or ML framework at work (Keras and the
+backends are stood in for by modules with another `__version__` where a release outside the
+range is needed). The releases themselves are run by `scripts/version_smoke.py`
+(`make version-smoke`, part of `make test`).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+
+from keras_mwms.backends import patches
+from keras_mwms.backends.patches import (
+    ALLOW_UNTESTED_ENV,
+    ANY_KERAS,
+    SUPPORTED_BACKENDS,
+    SUPPORTED_KERAS,
+    TESTED_KERAS,
+    KerasHas,
+    Patch,
+    PatchTable,
+    release_series,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def all_tables() -> list[PatchTable]:
+    """Every patch table keras_mwms installs (the TensorFlow one is built per joined backend)."""
+    from keras_mwms.backends import resume
+    from keras_mwms.backends.jax.patches import PATCHES as jax_table
+    from keras_mwms.backends.tensorflow.gradients import RowWeighting
+    from keras_mwms.backends.tensorflow.patches import patch_table
+    from keras_mwms.backends.torch.patches import TABLE as torch_table
+
+    tensorflow_table = patch_table(types.SimpleNamespace(strategy=object(), row_weighting=RowWeighting(None)))
+    return [resume.PATCHES, tensorflow_table, jax_table, torch_table]
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    """`installed(keras="3.11.3", torch="2.9.1")`: those releases stand in for the real ones."""
+    monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
+    monkeypatch.setattr(patches, "_warned", set())
+
+    def install(**versions: str) -> None:
+        for package, version in versions.items():
+            monkeypatch.setitem(sys.modules, package, types.SimpleNamespace(__version__=version))
+
+    return install
+
+
+def example_table(name: str = "example", **row_options) -> tuple[PatchTable, types.SimpleNamespace]:
+    holder = types.SimpleNamespace(step=lambda: "keras")
+    row = Patch("shout", holder, lambda original: lambda: original().upper(), "an example",
+                attribute="step", **row_options)
+    return PatchTable(name, [row]), holder
+
+
+# -- every row declares the releases it serves --------------------------------------------------
+
+def test_every_row_declares_supported_releases_and_private_keras_rows_name_them():
+    for table in all_tables():
+        for row in table:
+            assert row.keras_versions, f"{table.name}:{row.name} declares no release"
+            if row.keras_versions == ANY_KERAS:
+                assert not row.location().startswith("keras."), (
+                    f"{table.name}:{row.name} patches private Keras ({row.location()}) for any release")
+                continue
+            assert set(row.keras_versions) <= set(SUPPORTED_KERAS), (table.name, row.name, row.keras_versions)
+            assert list(row.keras_versions) == sorted(row.keras_versions, key=SUPPORTED_KERAS.index)
+
+
+def test_rows_sharing_a_target_serve_different_releases_or_features():
+    for table in all_tables():
+        seen: dict[str, list[Patch]] = {}
+        for row in table:
+            for other in seen.setdefault(row.location(), []):
+                overlap = set(row.keras_versions) & set(other.keras_versions)
+                assert not overlap or (row.applies is not None and other.applies is not None), (
+                    f"{table.name}: {other.name} and {row.name} both patch {row.location()} on {overlap}")
+            seen[row.location()].append(row)
+
+
+def test_every_row_for_the_installed_keras_finds_its_target():
+    for table in all_tables():
+        for row in table:
+            if isinstance(row.target, str) and row.serves_installed_keras():   # (not the stand-in strategy)
+                owner, attribute = row.resolve()
+                assert hasattr(owner, attribute), f"{row.name}: {row.location()} is missing"
+
+
+def test_the_patch_table_in_architecture_md_shows_every_rows_releases():
+    text = (REPO / "ARCHITECTURE.md").read_text()
+    for table in all_tables():
+        for line in table.markdown().splitlines()[2:]:
+            name, releases = line.split(" | ")[0].strip("| "), line.rsplit(" | ", 1)[1].rstrip(" |")
+            row = next((row for row in text.splitlines() if row.startswith(f"| {name} |")), None)
+            assert row is not None, f"ARCHITECTURE.md's patch table lacks {name}"
+            assert row.rstrip().endswith(f"| {releases} |"), f"{name}: ARCHITECTURE.md says {row!r}"
+
+
+# -- inside the range: silent; outside: a clear error, or one warning with the override ----------
+
+@pytest.mark.parametrize("version", [f"{series}.{patch}" for series in SUPPORTED_KERAS for patch in (0, 9)])
+def test_a_supported_keras_installs_without_a_word(installed, version):
+    installed(keras=version)
+    table, holder = example_table()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        table.install()
+    assert holder.step() == "KERAS"
+    table.uninstall()
+
+
+@pytest.mark.parametrize("version", ["3.11.3", "3.16.0", "3.16.0.dev2026102704", "4.0.0"])
+def test_an_unsupported_keras_is_a_clear_error_naming_both_releases_and_the_override(installed, version):
+    installed(keras=version)
+    table, holder = example_table()
+    with pytest.raises(RuntimeError) as error:
+        table.install()
+    message = str(error.value)
+    assert f"Keras {version}" in message and "3.12–3.15" in message and ALLOW_UNTESTED_ENV in message
+    assert "keras>=3.12,<3.16" in message and TESTED_KERAS[-1] in message
+    assert holder.step() == "keras" and not table.installed      # nothing was changed
+
+
+def test_the_override_tries_an_unsupported_keras_with_one_warning(installed, monkeypatch):
+    installed(keras="3.16.0.dev2026102704")
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
+    first, holder = example_table()
+    with pytest.warns(UserWarning, match=r"Keras 3\.16\.0\.dev2026102704 \(supported: 3\.12–3\.15\)"):
+        first.install()
+    assert holder.step() == "KERAS"
+    second, _ = example_table()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second.install()                                 # said once per release, not per table
+    second.uninstall()
+    first.uninstall()
+
+
+@pytest.mark.parametrize("backend,version,supported", [
+    ("tensorflow", "2.16.1", "2.19–2.21"), ("jax", "0.8.3", "0.9, 0.10"), ("torch", "2.9.1", "2.10–2.14")])
+def test_a_backend_table_also_checks_the_backend_release(installed, backend, version, supported):
+    installed(keras=TESTED_KERAS[-1], **{backend: version})
+    table, _ = example_table(name=backend)
+    with pytest.raises(RuntimeError, match=re.escape(f"{backend} {version} (supported: {supported})")):
+        table.install()
+    installed(**{backend: f"{SUPPORTED_BACKENDS[backend][-1]}.0"})
+    table.install()
+    table.uninstall()
+
+
+def test_public_api_rows_check_no_release(installed):
+    installed(keras="2.15.0")
+    table, holder = example_table(keras_versions=ANY_KERAS)
+    table.install()
+    assert holder.step() == "KERAS"
+    table.uninstall()
+
+
+# -- a row per behaviour, picked by feature detection, else by the releases it serves -----------
+
+def test_a_row_whose_feature_is_missing_is_skipped_not_an_error(installed):
+    installed(keras="3.12.4")
+    holder = types.SimpleNamespace(apply=lambda: "old")
+    table = PatchTable("example", [
+        Patch("new-internal", "keras_mwms.no_such_module:Thing.apply", lambda original: original,
+              "an internal only newer releases have", applies=KerasHas("keras_mwms.no_such_module:Thing")),
+        Patch("either", holder, lambda original: lambda: "patched", "present everywhere", attribute="apply",
+              applies=KerasHas("keras_mwms.backends.patches:PatchTable.install")),
+    ])
+    table.install()
+    assert holder.apply() == "patched"
+    table.uninstall()
+    assert "where `keras_mwms.no_such_module:Thing` exists" in table.markdown()
+
+
+def test_a_row_serves_only_its_releases_and_the_newest_ones_are_tried_outside_the_range(installed, monkeypatch):
+    table, holder = example_table(keras_versions=("3.15",))
+    installed(keras="3.13.2")
+    table.install()
+    assert holder.step() == "keras"                      # a 3.15-only row: nothing to patch on 3.13
+    table.uninstall()
+    installed(keras="3.16.0")
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
+    with pytest.warns(UserWarning):
+        table.install()
+    assert holder.step() == "KERAS"
+    table.uninstall()
+
+
+def test_release_series():
+    assert [release_series(v) for v in ("3.12.4", "2.13.0+cpu", "0.9.0.1", "2.21.0", "3.16.0rc1")] == [
+        "3.12", "2.13", "0.9", "2.21", "3.16.0rc1"]
+
+
+# -- declared once: pyproject, constraints and README agree with the table ---------------------
+
+def _next(series: str) -> str:
+    major, minor = series.split(".")
+    return f"{major}.{int(minor) + 1}"
+
+
+def test_pyproject_declares_the_same_range():
+    text = (REPO / "pyproject.toml").read_text()
+    requirements = dict(re.findall(r'^([\w-]+) = \["([^"]+)"', text, flags=re.MULTILINE))
+    assert f'"keras>={SUPPORTED_KERAS[0]},<{_next(SUPPORTED_KERAS[-1])}"' in text
+    for extra, module in [("tensorflow", "tensorflow"), ("tensorflow-cpu", "tensorflow"), ("jax", "jax"),
+                          ("torch", "torch")]:
+        series = SUPPORTED_BACKENDS[module]
+        assert requirements[extra].endswith(f">={series[0]},<{_next(series[-1])}"), (extra, requirements[extra])
+
+
+def test_the_pins_are_inside_the_range_and_the_readme_table_shows_every_tested_release():
+    pins = dict(line.split("==") for line in (REPO / "constraints.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    assert pins["keras"] == TESTED_KERAS[-1]
+    for distribution, module in [("tensorflow-cpu", "tensorflow"), ("jax", "jax"), ("torch", "torch")]:
+        assert release_series(pins[distribution]) in SUPPORTED_BACKENDS[module], distribution
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Compatibility"):]
+    section = section[:section.find("\n## ", 3)]
+    for release in TESTED_KERAS:
+        assert f"| {release} |" in section, f"README's compatibility table lacks Keras {release}"
