@@ -202,8 +202,9 @@ def callback_tests(overlay: Path | None) -> tuple[int, str]:
                              capture_output=True, text=True)
     lines = process.stdout.splitlines()
     failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
-    summary = next((line for line in reversed(lines) if line.startswith("=")), "(no summary)")
-    return process.returncode, "\n".join([*failed, summary])
+    summary = next((line for line in reversed(lines) if re.search(r"\d+ (passed|failed|error)", line)),
+                   "(no summary)")
+    return process.returncode, "\n".join([*failed[:12], *(["..."] if len(failed) > 12 else []), summary])
 
 
 def in_supported_range(version: str) -> bool:
