@@ -149,7 +149,7 @@ def test_the_override_tries_an_unsupported_keras_with_one_warning(installed, mon
 
 
 @pytest.mark.parametrize("backend,version,supported", [
-    ("tensorflow", "2.16.1", "2.19–2.21"), ("jax", "0.8.3", "0.9, 0.10"), ("torch", "2.9.1", "2.10–2.14")])
+    ("tensorflow", "2.16.1", "2.19–2.21"), ("jax", "0.8.3", "0.9–0.10"), ("torch", "2.9.1", "2.10–2.14")])
 def test_a_backend_table_also_checks_the_backend_release(installed, backend, version, supported):
     installed(keras=TESTED_KERAS[-1], **{backend: version})
     table, _ = example_table(name=backend)

@@ -97,7 +97,7 @@ def describe_releases(series: tuple[str, ...]) -> str:
         return "any"
     minors = [tuple(int(part) for part in name.split(".")) for name in series]
     consecutive = all(b == (a[0], a[1] + 1) for a, b in zip(minors, minors[1:]))
-    if len(series) > 2 and consecutive:
+    if len(series) >= 2 and consecutive:
         return f"{series[0]}–{series[-1]}"
     return ", ".join(series)
 
