@@ -1,52 +1,65 @@
 """Multi-process acceptance tests of the PyTorch backend (`keras_mwms/backends/torch/`).
 
-Each scenario runs once (module-scoped fixtures) as a real gang of worker processes plus, for
-equivalence, the same script as a single process without TF_CONFIG; the assertions read the
-dumped weights and results. Nothing here imports torch or keras in the pytest process.
+The scenarios of `tests/workers/fit_scenario.py` run once (module-scoped fixtures): several in
+one real gang of worker processes (start-up is paid once) plus, for equivalence, the same script
+as a single process without TF_CONFIG; the assertions read the dumped weights and results.
+Nothing here imports torch or keras in the pytest process.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import time
+import shlex
 
 import numpy as np
 import pytest
 
-from keras_mwms.cluster import make_tf_config
-from keras_mwms.launch import find_free_ports
-from tests.multiworker import REPO, python_worker, run_gang, worker_env
-
-sys.path.insert(0, str(REPO / "tests" / "workers"))
-import common  # noqa: E402
+from tests.multiworker import python_worker, run_gang, run_one_process, watch_gang, worker_env
+from tests.workers import common
 
 pytestmark = [pytest.mark.torch]
 GANG_TIMEOUT = 420
 SGD_TOLERANCE = 1e-5
 ADAM_TOLERANCE = 1e-5
 
-
-def _reference(script: str, out: str, *args: str) -> None:
-    env = dict(os.environ, **worker_env("torch"))
-    env.pop("TF_CONFIG", None)
-    completed = subprocess.run(python_worker(script, out, *args), env=env, capture_output=True,
-                               text=True, timeout=GANG_TIMEOUT)
-    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
-
-
-def _gang(script: str, workers: int, out: str, *args: str):
-    result = run_gang(python_worker(script, out, *args), workers, GANG_TIMEOUT,
-                      env=worker_env("torch"))
-    assert result.returncode == 0, result.output[-8000:]
-    return result
-
-
-TWO_WORKER_SCENARIOS = ("sgd_arrays", "tfdata_adam", "dropout", "jit", "surface")
+# This module's settings for every scenario: 256 rows in global batches of 32, SGD with momentum
+# 0.9, seed 100 (worker i: 100 + i by worker), quiet; evaluate and predict on the training rows.
+BASE = ["--verbose", "0", "--evaluate-on", "training", "--seed", "100"]
+SCENARIOS = {
+    "sgd_arrays": ["--data", "arrays", "--optimizer", "sgd", "--seed-by-worker"],
+    "tfdata_adam": ["--data", "dataset", "--shuffle", "--optimizer", "adam", "--learning-rate", "0.001",
+                    "--batch-norm", "local"],
+    # Also the custom-loop API (run, reduce, barrier, broadcast, distributed datasets).
+    "dropout": ["--data", "arrays", "--shuffle", "--dropout", "0.3", "--primitives"],
+    "jit": ["--data", "arrays", "--jit-compile", "--epochs", "1"],
+    # The eager twin of "jit": the one-process reference the compiled gang must match.
+    "jit_eager": ["--data", "arrays", "--epochs", "1"],
+    "dataloader_bn": ["--data", "dataloader", "--shuffle", "--batch-norm", "synchronized", "--batch-size", "48",
+                      "--task", "classification"],
+    # --shuffle: fit's default, which shuffles the order of a PyDataset's batches.
+    "pydataset_adam": ["--data", "pydataset", "--shuffle", "--optimizer", "adam", "--learning-rate", "0.001",
+                       "--batch-size", "40", "--rows", "280"],
+}
+TWO_WORKER_SCENARIOS = ("sgd_arrays", "tfdata_adam", "dropout", "jit")
 THREE_WORKER_SCENARIOS = ("dataloader_bn", "pydataset_adam")
 REFERENCE_SCENARIOS = ("sgd_arrays", "tfdata_adam", "dataloader_bn", "pydataset_adam", "jit_eager")
+
+
+def _fit_scenarios(out: str, names) -> list[str]:
+    """One fit_scenario.py command running the named scenarios one after another."""
+    scenarios = [argument for name in names for argument in ("--scenario", f"{name}: {shlex.join(SCENARIOS[name])}")]
+    return python_worker("fit_scenario.py", out, *BASE, *scenarios)
+
+
+def _reference(out: str, names) -> None:
+    run_one_process(_fit_scenarios(out, names), GANG_TIMEOUT, env=worker_env("torch"))
+
+
+def _gang(workers: int, out: str, names):
+    result = run_gang(_fit_scenarios(out, names), workers, GANG_TIMEOUT, env=worker_env("torch"))
+    assert result.returncode == 0, result.output[-8000:]
+    return result
 
 
 class Scenario:
@@ -71,28 +84,28 @@ class Scenario:
         return common.load_result(self.reference_out, 0)
 
     def predictions(self, index: int):
-        return np.load(os.path.join(self.out, f"predict{index}.npy"))
+        return np.load(os.path.join(self.out, f"w{index}.predict.npy"))
 
 
 @pytest.fixture(scope="module")
 def reference_dir(tmp_path_factory):
     """Every equivalence scenario once in one process without TF_CONFIG."""
     out = str(tmp_path_factory.mktemp("reference"))
-    _reference("torch_scenario.py", out, *REFERENCE_SCENARIOS)
+    _reference(out, REFERENCE_SCENARIOS)
     return out
 
 
 @pytest.fixture(scope="module")
 def two_workers_dir(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("two_workers"))
-    _gang("torch_scenario.py", 2, out, *TWO_WORKER_SCENARIOS)
+    _gang(2, out, TWO_WORKER_SCENARIOS)
     return out
 
 
 @pytest.fixture(scope="module")
 def three_workers_dir(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("three_workers"))
-    _gang("torch_scenario.py", 3, out, *THREE_WORKER_SCENARIOS)
+    _gang(3, out, THREE_WORKER_SCENARIOS)
     return out
 
 
@@ -110,7 +123,8 @@ def tfdata_adam(two_workers_dir, reference_dir):
 
 @pytest.fixture(scope="module")
 def dropout(two_workers_dir, reference_dir):
-    """2 workers, arrays shuffled, Dropout (no reference: each worker masks its own rows)."""
+    """2 workers, arrays shuffled, Dropout (no reference: each worker masks its own rows), then
+    the custom-loop API."""
     return Scenario(two_workers_dir, reference_dir, "dropout", 2)
 
 
@@ -172,7 +186,7 @@ def test_history_and_evaluate_are_global(sgd_arrays):
 
 @pytest.mark.slow
 def test_predict_is_full_and_ordered_on_every_worker(sgd_arrays):
-    reference = np.load(os.path.join(sgd_arrays.reference_out, "predict0.npy"))
+    reference = np.load(os.path.join(sgd_arrays.reference_out, "w0.predict.npy"))
     for index in range(2):
         predictions = sgd_arrays.predictions(index)
         assert predictions.shape == reference.shape == (256, 1)
@@ -264,12 +278,8 @@ def test_adam_runs_fused_in_eager_steps(tfdata_adam, pydataset_adam_3):
 
 def test_fused_adam_matches_keras_adam():
     """One process: Keras' torch Adam/AdamW and the fused kernel on identical gradients."""
-    env = dict(os.environ, **worker_env("torch"))
-    env.pop("TF_CONFIG", None)
-    completed = subprocess.run([sys.executable, str(REPO / "tests" / "workers" / "fused_adam_check.py")],
-                               env=env, capture_output=True, text=True, timeout=GANG_TIMEOUT)
-    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
-    line = next(line for line in completed.stdout.splitlines() if line.startswith("RESULT "))
+    output = run_one_process(python_worker("fused_adam_check.py"), GANG_TIMEOUT, env=worker_env("torch"))
+    line = next(line for line in output.splitlines() if line.startswith("RESULT "))
     report = json.loads(line[len("RESULT "):])
     for name in ("adam", "adam_schedule", "adamw"):
         print(f"fused vs Keras {name}: max|Δw| {report[name]['delta']:.3g} "
@@ -282,8 +292,8 @@ def test_fused_adam_matches_keras_adam():
 
 
 @pytest.mark.slow
-def test_custom_loop_surface(two_workers_dir):
-    results = [common.load_result(os.path.join(two_workers_dir, "surface"), i) for i in range(2)]
+def test_custom_loop_surface(dropout):
+    results = [dropout.result(i) for i in range(2)]
     for result in results:
         assert result["local_results"] == 1
         assert result["sum"] == [6.0, 60.0]
@@ -295,37 +305,17 @@ def test_custom_loop_surface(two_workers_dir):
     assert results[1]["distributed"][0] == [4.0, 5.0, 6.0, 7.0]
 
 
-def _start_workers(out: str, mode: str, workers: int = 2):
-    ports = find_free_ports(workers)
-    addresses = [f"localhost:{port}" for port in ports]
-    processes = []
-    for index in range(workers):
-        env = dict(os.environ, **worker_env("torch"), TF_CONFIG=make_tf_config(addresses, index))
-        processes.append(subprocess.Popen(python_worker("torch_faults.py", out, mode), env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True, start_new_session=True))
-    return processes
-
-
-def _finish(processes, timeout: float) -> list[tuple[int, str]]:
-    deadline = time.monotonic() + timeout
-    results = []
-    try:
-        for process in processes:
-            output, _ = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            results.append((process.returncode, output))
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, 9)
-                process.wait()
-    return results
+def _fault_gang(out: str, mode: str, wait_for: set[int] | None = None):
+    """tests/workers/torch_faults.py MODE on 2 workers, each exiting on its own (the launcher
+    would stop survivors itself); those not in `wait_for` (default: all) are stopped after."""
+    return watch_gang(python_worker("torch_faults.py", out, mode), 2, GANG_TIMEOUT, env=worker_env("torch"),
+                      wait_for=wait_for)
 
 
 def test_nccl_without_cuda_is_a_clear_error_within_5_seconds(tmp_path):
-    results = _finish(_start_workers(str(tmp_path), "nccl"), GANG_TIMEOUT)
-    for index, (code, output) in enumerate(results):
-        assert code != 0, output
+    watched = _fault_gang(str(tmp_path), "nccl")
+    for index in range(2):
+        assert watched.codes[index] not in (0, None), watched.lines(index)[-3000:]
         result = common.load_result(str(tmp_path), index)
         assert "NCCL" in result["error"] and "AUTO" in result["error"], result["error"]
         assert result["error_seconds"] <= 5.0
@@ -333,26 +323,18 @@ def test_nccl_without_cuda_is_a_clear_error_within_5_seconds(tmp_path):
 
 @pytest.mark.slow
 def test_crashed_peer_stops_survivor_naming_it(tmp_path):
-    results = _finish(_start_workers(str(tmp_path), "crash"), GANG_TIMEOUT)
-    assert results[1][0] == 3
-    code, output = results[0]
-    assert code != 0
-    error = common.load_result(str(tmp_path), 0)["error"]
-    assert "WorkerLostError" in error and "lost worker 1" in error, output[-3000:]
-    assert common.load_result(str(tmp_path), 0)["error_seconds"] < 60
+    watched = _fault_gang(str(tmp_path), "crash")
+    assert watched.codes[1] == 3, watched.output[-3000:]
+    assert watched.codes[0] not in (0, None), watched.output[-3000:]
+    result = common.load_result(str(tmp_path), 0)
+    assert "WorkerLostError" in result["error"] and "lost worker 1" in result["error"], watched.lines(0)[-3000:]
+    assert result["error_seconds"] < 60
 
 
 @pytest.mark.slow
 def test_hung_peer_stops_survivor_within_bounded_time(tmp_path):
-    processes = _start_workers(str(tmp_path), "hang")
-    try:
-        code, output = _finish(processes[:1], GANG_TIMEOUT)[0]
-    finally:
-        for process in processes[1:]:  # the hung worker sleeps on: end it
-            if process.poll() is None:
-                os.killpg(process.pid, 9)
-            process.communicate()
-    assert code != 0
+    watched = _fault_gang(str(tmp_path), "hang", wait_for={0})   # worker 1 sleeps on, then is stopped
+    assert watched.codes[0] not in (0, None), watched.output[-3000:]
     result = common.load_result(str(tmp_path), 0)
-    assert "lost worker 1" in result["error"], output[-3000:]
+    assert "lost worker 1" in result["error"], watched.lines(0)[-3000:]
     assert result["error_seconds"] < 60
