@@ -25,6 +25,12 @@ from keras_mwms.communication import CommunicationImplementation, CommunicationO
 from keras_mwms.data import AutoShardPolicy, InputContext
 from keras_mwms.errors import WorkerLostError
 from keras_mwms.rendezvous import RendezvousError
+from keras_mwms.resolvers import (
+    ClusterEnvironmentError,
+    MPIClusterResolver,
+    SlurmClusterResolver,
+    TorchrunClusterResolver,
+)
 from keras_mwms.strategy import MultiWorkerMirroredStrategy
 from keras_mwms.version import __version__
 
@@ -40,15 +46,19 @@ def __getattr__(name):
 
 __all__ = [
     "AutoShardPolicy",
+    "ClusterEnvironmentError",
     "ClusterSpec",
     "CommunicationImplementation",
     "CommunicationOptions",
     "InputContext",
+    "MPIClusterResolver",
     "MultiWorkerMirroredStrategy",
     "RendezvousError",
     "SimpleClusterResolver",
+    "SlurmClusterResolver",
     "TFConfigClusterResolver",
     "TFConfigError",
+    "TorchrunClusterResolver",
     "WorkerLostError",
     "__version__",
     "callbacks",

@@ -2,7 +2,8 @@
 
 Construction order is the whole point of this module:
 
-1. **resolve** — read and validate `TF_CONFIG` (or take the given resolver);
+1. **resolve** — take the given resolver, else detect the orchestrator (`TF_CONFIG`, a Slurm
+   step, torchrun, MPI: `keras_mwms.resolvers.detect`) and log the chosen source on the chief;
 2. **rendezvous** — meet every worker over plain TCP, bounded and fingerprinted, so a missing
    or misconfigured worker is named instead of hanging a backend forever;
 3. **join** — start the backend's real collective engine (TF collectives, `jax.distributed`,
@@ -14,16 +15,18 @@ Everything after construction is delegated to the backend adapter in `keras_mwms
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 from keras_mwms import active, devices
 from keras_mwms.backends import backend_class, resume
-from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver, TFConfigClusterResolver
+from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver
 from keras_mwms.communication import CommunicationOptions
 from keras_mwms.compat_v1 import CompatV1Methods
 from keras_mwms.rendezvous import Rendezvous
+from keras_mwms.resolvers.detect import describe_source, detect_cluster_resolver
 from keras_mwms.version import __version__
 
 
@@ -85,13 +88,19 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
     Args:
         communication_options: a `CommunicationOptions` (engine, collective timeout, packing,
             rendezvous timeout). Default: AUTO.
-        cluster_resolver: a `TFConfigClusterResolver` or `SimpleClusterResolver`. Default:
-            read `TF_CONFIG`.
+        cluster_resolver: any resolver of `keras_mwms` or `keras_mwms.resolvers`. Default:
+            detected from the environment: `TF_CONFIG`, else a Slurm job step, else torchrun,
+            else MPI, else a single worker.
     """
 
     def __init__(self, communication_options: CommunicationOptions | None = None,
                  cluster_resolver: ClusterResolver | None = None):
-        self._resolver = cluster_resolver if cluster_resolver is not None else TFConfigClusterResolver()
+        if cluster_resolver is None:
+            cluster_resolver = detect_cluster_resolver()
+            if cluster_resolver.is_chief and cluster_resolver.num_workers > 1:
+                print(f"keras_mwms: cluster of {cluster_resolver.num_workers} workers from "
+                      f"{describe_source(cluster_resolver)}", file=sys.stderr, flush=True)
+        self._resolver = cluster_resolver
         self._options = communication_options if communication_options is not None else CommunicationOptions()
         if not isinstance(self._options, CommunicationOptions):
             raise TypeError(

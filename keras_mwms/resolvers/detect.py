@@ -1,0 +1,111 @@
+"""Which orchestrator started this process: the resolver the strategy uses when given none.
+
+Order: `TF_CONFIG`, else a Slurm job step (`SLURM_STEP_NUM_TASKS`, set by `srun`), else a
+torch-style launcher (`WORLD_SIZE` with `MASTER_ADDR`: torchrun, PyTorchJob, Lightning), else MPI
+(`OMPI_COMM_WORLD_RANK`, `PMI_RANK`, `PMIX_RANK`), else a single worker (`TFConfigClusterResolver`
+without `TF_CONFIG`, which warns). When several are present they must agree on the worker count:
+a `TF_CONFIG` for 4 workers inside a 2-task Slurm step is an error, not a guess.
+`KERAS_MWMS_CLUSTER_SOURCE=tf_config|slurm|torchrun|mpi|single` picks one and skips the check
+(e.g. torchrun started by `srun`, one task per node, each running several workers).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+
+from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver, TFConfigClusterResolver
+from keras_mwms.resolvers.environment import environment_error, read_int
+from keras_mwms.resolvers.mpi import MPIClusterResolver, mpi_flavour
+from keras_mwms.resolvers.slurm import SlurmClusterResolver
+from keras_mwms.resolvers.torchrun import TorchrunClusterResolver
+
+SOURCE_ENV = "KERAS_MWMS_CLUSTER_SOURCE"
+
+
+def _tf_config_size(environ: Mapping[str, str]) -> int:
+    return TFConfigClusterResolver(tf_config=environ[TF_CONFIG_ENV]).num_workers
+
+
+def _sizes(environ: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], int]]]:
+    """Present sources → (variable holding the worker count, how to read it), in priority order."""
+    present: dict[str, tuple[str, Callable[[], int]]] = {}
+    if environ.get(TF_CONFIG_ENV, "").strip():
+        present["tf_config"] = (TF_CONFIG_ENV, lambda: _tf_config_size(environ))
+    if environ.get("SLURM_STEP_NUM_TASKS", "").strip():
+        present["slurm"] = ("SLURM_STEP_NUM_TASKS", lambda: read_int(
+            environ, "SLURM_STEP_NUM_TASKS", "It is the job step's task count.", minimum=1))
+    if environ.get("WORLD_SIZE", "").strip() and environ.get("MASTER_ADDR", "").strip():
+        present["torchrun"] = ("WORLD_SIZE", lambda: read_int(
+            environ, "WORLD_SIZE", "It is the job's process count.", minimum=1))
+    flavour = mpi_flavour(environ)
+    if flavour is not None:
+        present["mpi"] = (flavour[1], lambda: read_int(
+            environ, flavour[1], "It is the MPI job's rank count.", minimum=1, required=True))
+    return present
+
+
+def _build(source: str, environ: Mapping[str, str]) -> ClusterResolver:
+    if source == "tf_config":
+        return TFConfigClusterResolver(tf_config=environ.get(TF_CONFIG_ENV, ""))
+    if source == "slurm":
+        return SlurmClusterResolver(environ=environ)
+    if source == "torchrun":
+        return TorchrunClusterResolver(environ=environ)
+    if source == "mpi":
+        return MPIClusterResolver(environ=environ)
+    return TFConfigClusterResolver(tf_config="")
+
+
+def detect_cluster_resolver(environ: Mapping[str, str] | None = None) -> ClusterResolver:
+    """The resolver for this process's orchestrator (see the module docstring for the order).
+
+    Example:
+
+    >>> resolver = detect_cluster_resolver({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost",
+    ...                                     "MASTER_PORT": "29500", "LOCAL_WORLD_SIZE": "2"})
+    >>> type(resolver).__name__, resolver.num_workers
+    ('TorchrunClusterResolver', 2)
+    >>> detect_cluster_resolver({"TF_CONFIG": '{"cluster": {"worker": ["a:1", "b:1"]}, '
+    ...                          '"task": {"type": "worker", "index": 0}}', "SLURM_STEP_NUM_TASKS": "3"})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    keras_mwms.resolvers.environment.ClusterEnvironmentError: SLURM_STEP_NUM_TASKS='3' says 3 workers, but TF_CONFIG says 2: ...
+    """
+    environ = os.environ if environ is None else environ
+    choices = ("tf_config", "slurm", "torchrun", "mpi", "single")
+    forced = environ.get(SOURCE_ENV, "").strip().lower()
+    if forced:
+        if forced not in choices:
+            raise environment_error(SOURCE_ENV, environ[SOURCE_ENV], "is not a cluster source",
+                                    f"Use one of {', '.join(choices)}, or unset it to detect.")
+        return _build(forced, environ)
+    present = _sizes(environ)
+    if not present:
+        return _build("single", environ)
+    counts = {source: (variable, read()) for source, (variable, read) in present.items()}
+    chosen = next(iter(counts))
+    chosen_variable, chosen_count = counts[chosen]
+    for source, (variable, count) in counts.items():
+        if count != chosen_count:
+            raise environment_error(
+                variable, environ.get(variable), f"says {count} workers, but {chosen_variable} says {chosen_count}",
+                f"keras_mwms will not guess between {chosen} and {source}: unset the variables of the "
+                f"launcher that does not start the workers, or set {SOURCE_ENV} to {chosen} or {source}.")
+    return _build(chosen, environ)
+
+
+def describe_source(resolver: ClusterResolver) -> str:
+    """One line naming where the cluster came from, logged by the chief.
+
+    Example:
+
+    >>> describe_source(TFConfigClusterResolver(tf_config=""))
+    'single worker (no TF_CONFIG, Slurm step, torchrun or MPI variables)'
+    """
+    if getattr(resolver, "source", None):
+        return resolver.source
+    if isinstance(resolver, TFConfigClusterResolver):
+        return "TF_CONFIG" if not resolver.is_single_worker else \
+            "single worker (no TF_CONFIG, Slurm step, torchrun or MPI variables)"
+    return type(resolver).__name__
