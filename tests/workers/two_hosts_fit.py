@@ -7,7 +7,9 @@ IP address on a veth pair), and without TF_CONFIG as the single-process referenc
 
 Writes `OUT_DIR/w<index>.npz` (final weights) and `OUT_DIR/w<index>.json` with `listeners`:
 the `ss -ltnH` lines seen after `fit` (the engine's sockets are still open then; the worker
-is alone in its namespace, so every listener is its own).
+is alone in its namespace, so every listener is its own), the resolver class the strategy
+chose and whether TF_CONFIG was set (tests/test_resolvers_gangs.py starts it through torchrun,
+an MPI-style and a Slurm-style environment).
 """
 
 from __future__ import annotations
@@ -51,5 +53,7 @@ def listeners() -> list[str]:
 
 
 common.save_result(arguments.out, index, model, history=history.history, listeners=listeners(),
-                   num_workers=strategy.num_workers)
+                   num_workers=strategy.num_workers,
+                   resolver=type(strategy.cluster_resolver).__name__,
+                   tf_config_set=bool(os.environ.get("TF_CONFIG")))
 common.log("done")
