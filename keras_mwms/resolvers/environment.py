@@ -61,8 +61,8 @@ def read_int(environ: Mapping[str, str], name: str, fix: str, minimum: int = 0,
         raise environment_error(name, text, "is not an integer", fix)
     value = int(stripped)
     if value < minimum or (maximum is not None and value > maximum):
-        bound = f"{minimum}..{maximum}" if maximum is not None else f">= {minimum}"
-        raise environment_error(name, text, f"is outside {bound}", fix)
+        problem = f"is outside {minimum}..{maximum}" if maximum is not None else f"is below {minimum}"
+        raise environment_error(name, text, problem, fix)
     return value
 
 

@@ -80,8 +80,8 @@ class MPIClusterResolver(EnvironmentClusterResolver):
         if flavour is None:
             raise environment_error("OMPI_COMM_WORLD_RANK", None, "(nor PMI_RANK, PMIX_RANK)", _LAUNCH)
         rank_name, size_name, local_rank_name, local_size_name, job_names, self.source = flavour
-        size = read_int(environ, size_name, f"It is the job's rank count; {_LAUNCH}", minimum=1, required=True)
-        rank = read_int(environ, rank_name, f"It is this process's rank; {_LAUNCH}", maximum=size - 1,
+        size = read_int(environ, size_name, f"It is the job's rank count. {_LAUNCH}", minimum=1, required=True)
+        rank = read_int(environ, rank_name, f"It is this process's rank. {_LAUNCH}", maximum=size - 1,
                         required=True)
         local_size = read_int(environ, local_size_name, "It is the rank count on this node.", minimum=1,
                               maximum=size)

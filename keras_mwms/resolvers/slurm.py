@@ -103,9 +103,9 @@ class SlurmClusterResolver(EnvironmentClusterResolver):
                  tasks_per_node: int | Mapping[str, int] | None = None, auto_set_gpu: bool = True,
                  rpc_layer: str | None = "grpc", environ: Mapping[str, str] | None = None):
         environ = os.environ if environ is None else environ
-        rank = read_int(environ, "SLURM_PROCID", "It is this task's rank; " + _IN_A_STEP, required=True)
+        rank = read_int(environ, "SLURM_PROCID", "It is this task's rank. " + _IN_A_STEP, required=True)
         num_tasks_variable = first_set(environ, NUM_TASKS_VARIABLES) or NUM_TASKS_VARIABLES[0]
-        num_tasks = read_int(environ, num_tasks_variable, "It is the job step's task count; " + _IN_A_STEP,
+        num_tasks = read_int(environ, num_tasks_variable, "It is the job step's task count. " + _IN_A_STEP,
                              minimum=1, required=jobs is None)
         configuration = self._task_configuration(environ, tasks_per_node)
         total = sum(configuration.values())
@@ -160,7 +160,7 @@ class SlurmClusterResolver(EnvironmentClusterResolver):
             return dict(tasks_per_node)
         nodes_variable = first_set(environ, NODELIST_VARIABLES) or NODELIST_VARIABLES[0]
         if nodes_variable not in environ:
-            raise environment_error(nodes_variable, None, "", "It lists the step's nodes; " + _IN_A_STEP)
+            raise environment_error(nodes_variable, None, "", "It lists the step's nodes. " + _IN_A_STEP)
         hosts = expand_hostlist(environ[nodes_variable], nodes_variable)
         repeated = sorted({host for host in hosts if hosts.count(host) > 1})
         if repeated:
@@ -170,7 +170,7 @@ class SlurmClusterResolver(EnvironmentClusterResolver):
             return {host: int(tasks_per_node) for host in hosts}
         counts_variable = first_set(environ, TASKS_PER_NODE_VARIABLES) or TASKS_PER_NODE_VARIABLES[0]
         if counts_variable not in environ:
-            raise environment_error(counts_variable, None, "", "It counts tasks per node; " + _IN_A_STEP)
+            raise environment_error(counts_variable, None, "", "It counts tasks per node. " + _IN_A_STEP)
         counts = expand_tasks_per_node(environ[counts_variable], counts_variable)
         if len(counts) != len(hosts):
             raise environment_error(counts_variable, environ[counts_variable],

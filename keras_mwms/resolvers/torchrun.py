@@ -58,7 +58,7 @@ class TorchrunClusterResolver(EnvironmentClusterResolver):
     def __init__(self, hosts: Sequence[str] | None = None, rpc_layer: str | None = None,
                  timeout: float | None = None, environ: Mapping[str, str] | None = None):
         environ = os.environ if environ is None else environ
-        world_size = read_int(environ, "WORLD_SIZE", "It is the job's process count; " + _LAUNCH,
+        world_size = read_int(environ, "WORLD_SIZE", "It is the job's process count. " + _LAUNCH,
                               minimum=1, required=True)
         local_rank = read_int(environ, "LOCAL_RANK", "It is this process's index on its node.",
                               maximum=world_size - 1) or 0
@@ -66,11 +66,11 @@ class TorchrunClusterResolver(EnvironmentClusterResolver):
                               minimum=1, maximum=world_size)
         node_variable = "GROUP_RANK" if "GROUP_RANK" in environ else "NODE_RANK"
         node_rank = read_int(environ, node_variable, "It is this node's index in the job.")
-        rank = read_int(environ, "RANK", "It is this process's rank; " + _LAUNCH, maximum=world_size - 1)
+        rank = read_int(environ, "RANK", "It is this process's rank. " + _LAUNCH, maximum=world_size - 1)
         if rank is None:
             if node_rank is None or local_size is None:
                 raise environment_error("RANK", None, "", "Set RANK, or NODE_RANK with LOCAL_RANK and "
-                                        "LOCAL_WORLD_SIZE; " + _LAUNCH)
+                                        "LOCAL_WORLD_SIZE. " + _LAUNCH)
             rank = node_rank * local_size + local_rank
         if rank >= world_size:
             raise environment_error("RANK", environ.get("RANK"), f"is not below WORLD_SIZE={world_size}", _LAUNCH)
@@ -86,7 +86,7 @@ class TorchrunClusterResolver(EnvironmentClusterResolver):
         master_host = environ.get("MASTER_ADDR", "").strip()
         if not master_host or any(char.isspace() for char in master_host):
             raise environment_error("MASTER_ADDR", environ.get("MASTER_ADDR"), "is not a host name",
-                                    "Set it to the rank-0 node's address; " + _LAUNCH)
+                                    "Set it to the rank-0 node's address. " + _LAUNCH)
         master_port = read_int(environ, "MASTER_PORT", "Set it to a free port on the rank-0 node, e.g. 29500.",
                                minimum=1, maximum=65535) or 29500
         check_ports("MASTER_PORT", environ.get("MASTER_PORT"), master_port + 1, local_size,

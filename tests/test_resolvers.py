@@ -1,0 +1,213 @@
+"""The torchrun and MPI resolvers, auto-detection, and malformed environments of every kind.
+
+Pure Python (no backend): every resolver reads an `environ` mapping given here. Each malformed
+environment must raise `ClusterEnvironmentError` whose message names the variable, shows the
+bad value and says what to do.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from keras_mwms.cluster import TFConfigClusterResolver
+from keras_mwms.resolvers import (
+    ClusterEnvironmentError,
+    MPIClusterResolver,
+    SlurmClusterResolver,
+    TorchrunClusterResolver,
+    detect_cluster_resolver,
+)
+from keras_mwms.resolvers.detect import describe_source
+
+SLURM = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "node[1-2]",
+         "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0",
+         "SLURM_LOCALID": "0", "SLURMD_NODENAME": "node2"}
+TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+            "TORCHELASTIC_RUN_ID": "none"}
+OPEN_MPI = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+TF_CONFIG_3 = json.dumps({"cluster": {"worker": ["a:1", "b:1", "c:1"]}, "task": {"type": "worker", "index": 0}})
+TF_CONFIG_2 = json.dumps({"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 1}})
+
+
+def _changed(base: dict, changes: dict) -> dict:
+    environ = dict(base)
+    for name, value in changes.items():
+        if value is None:
+            environ.pop(name, None)
+        else:
+            environ[name] = value
+    return environ
+
+
+def slurm(**changes):
+    return lambda: SlurmClusterResolver(gpus_per_node=0, environ=_changed(SLURM, changes))
+
+
+def torchrun(**changes):
+    return lambda: TorchrunClusterResolver(environ=_changed(TORCHRUN, changes))
+
+
+def mpi(**changes):
+    return lambda: MPIClusterResolver(environ=_changed(OPEN_MPI, changes))
+
+
+def detect(environ):
+    return lambda: detect_cluster_resolver(environ)
+
+
+# (case id, build, variable the message must name, value it must show, or None for "unset")
+MALFORMED = [
+    ("slurm-procid-unset", slurm(SLURM_PROCID=None), "SLURM_PROCID", None),
+    ("slurm-procid-text", slurm(SLURM_PROCID="one"), "SLURM_PROCID", "one"),
+    ("slurm-procid-too-big", slurm(SLURM_PROCID="5"), "SLURM_PROCID", "5"),
+    ("slurm-procid-negative", slurm(SLURM_PROCID="-1"), "SLURM_PROCID", "-1"),
+    ("slurm-num-tasks-zero", slurm(SLURM_STEP_NUM_TASKS="0"), "SLURM_STEP_NUM_TASKS", "0"),
+    ("slurm-num-tasks-text", slurm(SLURM_STEP_NUM_TASKS="two"), "SLURM_STEP_NUM_TASKS", "two"),
+    ("slurm-num-tasks-disagree", slurm(SLURM_STEP_NUM_TASKS="3"), "SLURM_STEP_NUM_TASKS", "3"),
+    ("slurm-nodelist-unset", slurm(SLURM_STEP_NODELIST=None), "SLURM_STEP_NODELIST", None),
+    ("slurm-nodelist-unclosed", slurm(SLURM_STEP_NODELIST="node[1-2"), "SLURM_STEP_NODELIST", "node[1-2"),
+    ("slurm-nodelist-stray-bracket", slurm(SLURM_STEP_NODELIST="node1],node2"), "SLURM_STEP_NODELIST",
+     "node1],node2"),
+    ("slurm-nodelist-nested", slurm(SLURM_STEP_NODELIST="n[1-[2]]"), "SLURM_STEP_NODELIST", "n[1-[2]]"),
+    ("slurm-nodelist-decreasing", slurm(SLURM_STEP_NODELIST="node[2-1]"), "SLURM_STEP_NODELIST", "node[2-1]"),
+    ("slurm-nodelist-letters", slurm(SLURM_STEP_NODELIST="node[a-b]"), "SLURM_STEP_NODELIST", "node[a-b]"),
+    ("slurm-nodelist-empty-name", slurm(SLURM_STEP_NODELIST="node1,,node2"), "SLURM_STEP_NODELIST",
+     "node1,,node2"),
+    ("slurm-nodelist-repeated", slurm(SLURM_STEP_NODELIST="node1,node1"), "SLURM_STEP_NODELIST", "node1,node1"),
+    ("slurm-tasks-per-node-syntax", slurm(SLURM_STEP_TASKS_PER_NODE="1(x)"), "SLURM_STEP_TASKS_PER_NODE", "1(x)"),
+    ("slurm-tasks-per-node-zero", slurm(SLURM_STEP_TASKS_PER_NODE="0,2"), "SLURM_STEP_TASKS_PER_NODE", "0,2"),
+    ("slurm-tasks-per-node-count", slurm(SLURM_STEP_TASKS_PER_NODE="1(x3)"), "SLURM_STEP_TASKS_PER_NODE",
+     "1(x3)"),
+    ("slurm-node-name-mismatch", slurm(SLURMD_NODENAME="node1"), "SLURMD_NODENAME", "node1"),
+    ("slurm-localid-mismatch", slurm(SLURM_LOCALID="1"), "SLURM_LOCALID", "1"),
+    ("slurm-port-base-range", slurm(KERAS_MWMS_PORT_BASE="70000"), "KERAS_MWMS_PORT_BASE", "70000"),
+    ("slurm-port-base-text", slurm(KERAS_MWMS_PORT_BASE="high"), "KERAS_MWMS_PORT_BASE", "high"),
+    ("slurm-gpus-short", lambda: SlurmClusterResolver(gpus_per_task=2, environ={**SLURM, "SLURM_GPUS_ON_NODE": "1"}),
+     "SLURM_GPUS_ON_NODE", "1"),
+    ("torchrun-world-size-unset", torchrun(WORLD_SIZE=None), "WORLD_SIZE", None),
+    ("torchrun-world-size-zero", torchrun(WORLD_SIZE="0"), "WORLD_SIZE", "0"),
+    ("torchrun-rank-too-big", torchrun(RANK="2"), "RANK", "2"),
+    ("torchrun-rank-text", torchrun(RANK="x"), "RANK", "x"),
+    ("torchrun-master-addr-unset", torchrun(MASTER_ADDR=None), "MASTER_ADDR", None),
+    ("torchrun-master-port-text", torchrun(MASTER_PORT="port"), "MASTER_PORT", "port"),
+    ("torchrun-master-port-top", torchrun(MASTER_PORT="65535"), "MASTER_PORT", "65535"),
+    ("torchrun-local-size-uneven", torchrun(WORLD_SIZE="4", LOCAL_WORLD_SIZE="3"), "LOCAL_WORLD_SIZE", "3"),
+    ("torchrun-local-rank-too-big", torchrun(LOCAL_RANK="2", RANK="0", WORLD_SIZE="4"), "LOCAL_RANK", "2"),
+    ("torchrun-hosts-count", torchrun(WORLD_SIZE="4", RANK="3", KERAS_MWMS_HOSTS="h1,h2,h3"),
+     "KERAS_MWMS_HOSTS", "h1,h2,h3"),
+    ("mpi-size-unset", mpi(OMPI_COMM_WORLD_SIZE=None), "OMPI_COMM_WORLD_SIZE", None),
+    ("mpi-rank-too-big", mpi(OMPI_COMM_WORLD_RANK="2"), "OMPI_COMM_WORLD_RANK", "2"),
+    ("mpi-several-nodes-no-hosts", mpi(OMPI_COMM_WORLD_SIZE="4", OMPI_COMM_WORLD_RANK="3"),
+     "KERAS_MWMS_HOSTS", None),
+    ("mpi-hosts-uneven", mpi(OMPI_COMM_WORLD_SIZE="3", OMPI_COMM_WORLD_LOCAL_SIZE="1",
+                             OMPI_COMM_WORLD_LOCAL_RANK="0", KERAS_MWMS_HOSTS="n[1-2]"), "KERAS_MWMS_HOSTS", "n1,n2"),
+    ("mpi-map-by-node", mpi(OMPI_COMM_WORLD_SIZE="4", OMPI_COMM_WORLD_RANK="1", OMPI_COMM_WORLD_LOCAL_RANK="0",
+                            KERAS_MWMS_HOSTS="n1,n2"), "OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+    ("mpi-pmi-size-text", lambda: MPIClusterResolver(environ={"PMI_RANK": "0", "PMI_SIZE": "many"}),
+     "PMI_SIZE", "many"),
+    ("detect-unknown-source", detect({**SLURM, "KERAS_MWMS_CLUSTER_SOURCE": "kubernetes"}),
+     "KERAS_MWMS_CLUSTER_SOURCE", "kubernetes"),
+    ("detect-tf-config-vs-slurm", detect({**SLURM, "TF_CONFIG": TF_CONFIG_3}), "SLURM_STEP_NUM_TASKS", "2"),
+    ("detect-torchrun-vs-mpi", detect({**TORCHRUN, **OPEN_MPI, "OMPI_COMM_WORLD_SIZE": "3"}),
+     "OMPI_COMM_WORLD_SIZE", "3"),
+]
+
+
+@pytest.mark.parametrize("build, variable, value", [case[1:] for case in MALFORMED],
+                         ids=[case[0] for case in MALFORMED])
+def test_malformed_environment_names_variable_value_and_fix(build, variable, value):
+    with pytest.raises(ClusterEnvironmentError) as caught:
+        build()
+    message = str(caught.value)
+    assert variable in message, message
+    if value is None:
+        assert f"{variable} is unset" in message, message
+    else:
+        assert repr(value) in message, message
+    fix = message.partition(": ")[2]
+    assert len(fix) > 15, f"no fix in {message!r}"
+
+
+def test_malformed_cases_are_many_and_cover_every_resolver():
+    assert len(MALFORMED) >= 20
+    assert {case[0].split("-")[0] for case in MALFORMED} == {"slurm", "torchrun", "mpi", "detect"}
+
+
+def test_conflict_message_names_both_sources_and_the_way_out():
+    with pytest.raises(ClusterEnvironmentError) as caught:
+        detect_cluster_resolver({**SLURM, "TF_CONFIG": TF_CONFIG_3})
+    message = str(caught.value)
+    assert "says 2 workers, but TF_CONFIG says 3" in message
+    assert "KERAS_MWMS_CLUSTER_SOURCE" in message
+
+
+def test_torchrun_one_node_ports_follow_master_port():
+    resolver = TorchrunClusterResolver(environ=TORCHRUN)
+    assert resolver.worker_addresses == ["127.0.0.1:29501", "127.0.0.1:29502"]
+    assert (resolver.task_type, resolver.task_id, resolver.worker_index, resolver.local_rank) == ("worker", 1, 1, 1)
+    assert not resolver.is_chief and resolver.num_workers == 2
+    assert resolver.master() == "127.0.0.1:29502"
+    assert resolver.master(rpc_layer="grpc") == "grpc://127.0.0.1:29502"
+    assert "torchrun" in describe_source(resolver)
+
+
+def test_torchrun_several_nodes_with_hosts_and_lightning_variables():
+    environ = {"NODE_RANK": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4",
+               "MASTER_ADDR": "n1", "MASTER_PORT": "1234", "KERAS_MWMS_HOSTS": "n1,n2"}
+    resolver = TorchrunClusterResolver(environ=environ)
+    assert resolver.worker_addresses == ["n1:1235", "n1:1236", "n2:1235", "n2:1236"]
+    assert resolver.task_id == 2
+
+
+def test_pytorchjob_one_process_per_pod():
+    environ = {"RANK": "2", "WORLD_SIZE": "3", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"}
+    resolver = TorchrunClusterResolver(hosts=["job-master-0", "job-worker-0", "job-worker-1"], environ=environ)
+    assert resolver.worker_addresses == ["job-master-0:23457", "job-worker-0:23457", "job-worker-1:23457"]
+    assert resolver.task_id == 2 and resolver.local_rank == 0
+    assert "torch-style" in describe_source(resolver)
+
+
+@pytest.mark.parametrize("environ, source", [
+    (OPEN_MPI, "Open MPI"),
+    ({"PMI_RANK": "1", "PMI_SIZE": "2"}, "MPICH"),
+    ({"PMIX_RANK": "1", "PMIX_SIZE": "2"}, "PMIx"),
+])
+def test_mpi_flavours_on_one_node(environ, source):
+    resolver = MPIClusterResolver(port_base=6000, environ=environ)
+    assert resolver.worker_addresses == ["localhost:6000", "localhost:6001"]
+    assert resolver.task_id == 1 and source in resolver.source
+
+
+def test_mpi_hosts_from_environment_and_job_port_offset():
+    environ = {**OPEN_MPI, "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "2",
+               "OMPI_COMM_WORLD_LOCAL_RANK": "0", "KERAS_MWMS_HOSTS": "gpu[07-08]", "OMPI_MCA_ess_base_jobid": "5"}
+    resolver = MPIClusterResolver(environ=environ)
+    assert resolver.worker_addresses == ["gpu07:8968", "gpu07:8969", "gpu08:8968", "gpu08:8969"]
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({}, "TFConfigClusterResolver"),
+    ({"TF_CONFIG": TF_CONFIG_3}, "TFConfigClusterResolver"),
+    (SLURM, "SlurmClusterResolver"),
+    (TORCHRUN, "TorchrunClusterResolver"),
+    (OPEN_MPI, "MPIClusterResolver"),
+    ({**SLURM, "TF_CONFIG": TF_CONFIG_2}, "TFConfigClusterResolver"),
+    ({**SLURM, **TORCHRUN}, "SlurmClusterResolver"),
+    ({**TORCHRUN, **OPEN_MPI}, "TorchrunClusterResolver"),
+    (_changed(SLURM, {"SLURM_STEP_NUM_TASKS": None, "SLURM_NTASKS": "2"}), "TFConfigClusterResolver"),
+    ({**SLURM, **TORCHRUN, "WORLD_SIZE": "4", "RANK": "1", "LOCAL_WORLD_SIZE": "4",
+      "KERAS_MWMS_CLUSTER_SOURCE": "torchrun"}, "TorchrunClusterResolver"),
+], ids=["nothing", "tf-config", "slurm", "torchrun", "mpi", "tf-config-agrees-with-slurm",
+        "slurm-before-torchrun", "torchrun-before-mpi", "batch-script-is-no-step", "forced-source"])
+def test_detection_order(environ, expected):
+    assert type(detect_cluster_resolver(environ)).__name__ == expected
+
+
+def test_single_worker_fallback_describes_itself():
+    resolver = detect_cluster_resolver({})
+    assert isinstance(resolver, TFConfigClusterResolver) and resolver.is_single_worker
+    assert describe_source(resolver).startswith("single worker")
