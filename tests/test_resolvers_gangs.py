@@ -1,0 +1,152 @@
+"""Real gangs started the way an orchestrator starts them, with no TF_CONFIG anywhere.
+
+Every backend under every style, on localhost:
+
+* `srun`: the `SLURM_*` variables `srun --ntasks 2` exports on one node (no Slurm here);
+* `torchrun --nproc-per-node 2` (torch ships it), whatever the Keras backend: the strategy finds
+  `RANK`/`WORLD_SIZE`/`MASTER_PORT` by itself and listens on `MASTER_PORT + 1 + LOCAL_RANK`,
+  next to torchrun's own store on `MASTER_PORT`;
+* `mpirun`: the `OMPI_COMM_WORLD_*` variables Open MPI exports (no MPI is installed here; JAX's
+  own Open MPI detection must not get in the way).
+
+tests/test_two_hosts.py adds the Slurm style across two network namespaces. Each gang runs
+`tests/workers/two_hosts_fit.py` (2 epochs of SGD on fixed data); the workers must end
+bit-identical and within 1e-5 of one process (one reference per backend, shared), report the
+resolver the strategy picked with no TF_CONFIG set, and the chief alone must log the source
+once. A gang takes 11-15 s here, so the 9 runs plus 3 references cost about 2.5 minutes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.multiworker import Spawn, python_worker, run_processes, worker_env
+from tests.workers.common import load_result, load_weights, max_weight_difference
+
+RUN_TIMEOUT = 240
+GRACE_AFTER_FAILURE = 60
+EQUIVALENCE_TOLERANCE = 1e-5
+SOURCE_LINE = "keras_mwms: cluster of 2 workers from"
+
+pytestmark = pytest.mark.slow
+
+
+def free_port_run(count: int) -> int:
+    """A port P with P .. P + count - 1 all free on localhost right now."""
+    for _ in range(200):
+        base = random.randrange(20000, 30000)
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                probe = socket.socket()
+                sockets.append(probe)
+                probe.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for probe in sockets:
+                probe.close()
+    raise RuntimeError(f"no {count} consecutive free ports found")
+
+
+def kill_marked(marker: str) -> None:
+    """Kills what is left of processes whose command line holds `marker` (torchrun's workers run
+    in their own sessions, so killing torchrun's process group does not reach them)."""
+    listed = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
+    for pid in listed.stdout.split():
+        if int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+BACKENDS = [pytest.param("tensorflow", marks=pytest.mark.tensorflow),
+            pytest.param("jax", marks=pytest.mark.jax),
+            pytest.param("torch", marks=pytest.mark.torch)]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """backend -> folder of the single-process run (no orchestrator variables), made on first use."""
+    made: dict[str, Path] = {}
+
+    def reference(backend: str) -> Path:
+        if backend not in made:
+            out = tmp_path_factory.mktemp(f"single-{backend}")
+            ran = run_processes([Spawn(python_worker("two_hosts_fit.py", str(out)), worker_env(backend))],
+                                timeout=RUN_TIMEOUT)
+            assert ran.codes == [0], ran.log()
+            made[backend] = out
+        return made[backend]
+
+    return reference
+
+
+def srun_style(backend: str, out: Path) -> list[Spawn]:
+    """What `srun --ntasks 2` on one node exports (the variables our resolver reads, and more)."""
+    job_id, port_base = str(random.randrange(10 ** 6, 10 ** 7)), str(free_port_run(2))
+    return [Spawn(python_worker("two_hosts_fit.py", str(out)),
+                  {**worker_env(backend), "SLURM_JOB_ID": job_id, "SLURM_STEP_ID": "0", "SLURM_PROCID": str(rank),
+                   "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "SLURM_STEP_NUM_TASKS": "2",
+                   "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NODELIST": "localhost",
+                   "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "localhost",
+                   "SLURMD_NODENAME": "localhost", "KERAS_MWMS_PORT_BASE": port_base})
+            for rank in (0, 1)]
+
+
+def torchrun_style(backend: str, out: Path) -> list[Spawn]:
+    """`torchrun --nproc-per-node 2 train.py`: one agent process whose store holds MASTER_PORT."""
+    return [Spawn([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                   "--master-addr", "127.0.0.1", "--master-port", str(free_port_run(3)),
+                   *python_worker("two_hosts_fit.py", str(out))[2:]], worker_env(backend))]
+
+
+def mpirun_style(backend: str, out: Path) -> list[Spawn]:
+    """What `mpirun -np 2` (Open MPI) exports to each rank."""
+    port_base = str(free_port_run(2))
+    return [Spawn(python_worker("two_hosts_fit.py", str(out)),
+                  {**worker_env(backend), "OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "2",
+                   "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+                   "OMPI_COMM_WORLD_NODE_RANK": "0", "KERAS_MWMS_PORT_BASE": port_base})
+            for rank in (0, 1)]
+
+
+STYLES = {"srun": (srun_style, "SlurmClusterResolver", "Slurm job step"),
+          "torchrun": (torchrun_style, "TorchrunClusterResolver", "torchrun"),
+          "mpirun": (mpirun_style, "MPIClusterResolver", "Open MPI")}
+
+
+@pytest.mark.parametrize("style", list(STYLES))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_orchestrator_gang_trains_like_one_process(style, backend, tmp_path, references):
+    start, resolver, source = STYLES[style]
+    spawns = start(backend, tmp_path / "gang")
+    try:
+        ran = run_processes(spawns, timeout=RUN_TIMEOUT, grace_after_failure=GRACE_AFTER_FAILURE)
+    finally:
+        kill_marked(str(tmp_path / "gang"))
+    assert ran.codes == [0] * len(spawns), ran.log()
+    first = load_weights(tmp_path / "gang", 0)
+    assert max_weight_difference(load_weights(tmp_path / "gang", 1), first) == 0.0
+    delta = max_weight_difference(first, load_weights(references(backend), 0))
+    print(f"\n[orchestrators] {style} / {backend}: 2 workers in {max(ran.seconds):.1f} s, "
+          f"max|dw| vs one process = {delta:.3g}")
+    assert delta <= EQUIVALENCE_TOLERANCE
+    for index in (0, 1):
+        result = load_result(tmp_path / "gang", index)
+        assert (result["resolver"], result["tf_config_set"], result["num_workers"]) == (resolver, False, 2)
+    # The chief (the first process, or torchrun's merged output) names the source, once.
+    assert ran.outputs[0].count(SOURCE_LINE) == 1, ran.outputs[0][-4000:]
+    assert source in ran.outputs[0].split(SOURCE_LINE)[1].splitlines()[0]
+    if len(spawns) == 2:
+        assert SOURCE_LINE not in ran.outputs[1], ran.outputs[1][-4000:]
