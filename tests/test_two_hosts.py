@@ -169,3 +169,41 @@ def test_each_engine_listens_where_the_readme_says(across):
                 for address in listening), listening
         else:
             assert all(host_of(address) == own for address in listening), listening
+
+
+@pytest.fixture(scope="module")
+def across_slurm(across):
+    """The same scenario started Slurm-style, no TF_CONFIG: a job step whose node list names both
+    namespaces (`10.77.N.[1-2]`, one task each) and its default job-id port base; the reference is
+    `across`'s single process."""
+    hosts = across.hosts
+    root = across.root / "slurm"
+    prefix, _, _ = hosts.addresses[0].rpartition(".")
+    step = {"SLURM_JOB_ID": str(random.randrange(10 ** 6, 10 ** 7)), "SLURM_STEP_ID": "0",
+            "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": f"{prefix}.[1-2]",
+            "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_LOCALID": "0"}
+    workers = [Spawn(python_worker("two_hosts_fit.py", str(root)),
+                     {**worker_env(across.backend), **step, "SLURM_PROCID": str(index),
+                      "SLURM_NODEID": str(index), "SLURMD_NODENAME": address},
+                     prefix=("ip", "netns", "exec", namespace))
+               for index, (namespace, address) in enumerate(zip(hosts.namespaces, hosts.addresses))]
+    ran = run_processes(workers, timeout=RUN_TIMEOUT, grace_after_failure=GRACE_AFTER_FAILURE)
+    print(f"\n[two hosts] {across.backend}: 2 Slurm-style workers across namespaces in "
+          f"{max(ran.seconds):.1f} s, exit codes {ran.codes}")
+    return root, ran
+
+
+def test_slurm_node_list_naming_both_namespaces_trains_like_one_process(across, across_slurm):
+    root, ran = across_slurm
+    assert ran.codes == [0, 0], ran.log()
+    assert across.single_code == 0, across.single_output[-4000:]
+    first = load_weights(root, 0)
+    assert max_weight_difference(load_weights(root, 1), first) == 0.0
+    delta = max_weight_difference(first, load_weights(across.root / "single", 0))
+    print(f"[two hosts] {across.backend} via Slurm: max|dw| vs single process = {delta:.3g}")
+    assert delta <= EQUIVALENCE_TOLERANCE
+    for index in (0, 1):
+        result = load_result(root, index)
+        assert (result["resolver"], result["tf_config_set"], result["num_workers"]) == \
+            ("SlurmClusterResolver", False, 2)
+    assert "keras_mwms: cluster of 2 workers from Slurm job step" in ran.outputs[0]
