@@ -115,7 +115,7 @@ class TorchrunClusterResolver(EnvironmentClusterResolver):
             return [master_host]
         if timeout is None:
             timeout = float(environ.get("KERAS_MWMS_RENDEZVOUS_TIMEOUT", "120"))
-        return exchange_hosts(master_host, master_port, rank, world_size, nodes,
+        return _exchange_hosts(master_host, master_port, rank, world_size, nodes,
                               agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
                               timeout=timeout)
 
@@ -134,7 +134,7 @@ def own_address(toward: str, port: int) -> str:
         return probe.getsockname()[0]
 
 
-def exchange_hosts(master_host: str, master_port: int, rank: int, world_size: int, nodes: int,
+def _exchange_hosts(master_host: str, master_port: int, rank: int, world_size: int, nodes: int,
                    agent_store: bool, timeout: float) -> list[str]:
     """Every node's address, in node order, shared through torch's `TCPStore` on `MASTER_PORT`."""
     from datetime import timedelta
@@ -146,7 +146,12 @@ def exchange_hosts(master_host: str, master_port: int, rank: int, world_size: in
     local_size = world_size // nodes
     prefix = "keras_mwms/hosts/"
     if rank % local_size == 0:
-        store.set(f"{prefix}{rank // local_size}", own_address(master_host, master_port))
+        address = own_address(master_host, master_port)
+        if address.startswith("127.") or address == "::1":
+            # The master node itself (MASTER_ADDR=localhost in some operators): its host name is
+            # what the other nodes can resolve (a PyTorchJob gives each pod a service of that name).
+            address = socket.gethostname()
+        store.set(f"{prefix}{rank // local_size}", address)
     keys = [f"{prefix}{node}" for node in range(nodes)]
     store.wait(keys, timedelta(seconds=timeout))
     found = [store.get(key).decode() for key in keys]
