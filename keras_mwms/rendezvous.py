@@ -46,6 +46,8 @@ DEFAULT_TIMEOUT_SECONDS = 120.0
 RETRY_INTERVAL_SECONDS = 0.1
 SOCKET_TIMEOUT_SECONDS = 5.0
 MAX_HELLO_BYTES = 1 << 20
+DEFAULT_PORT_ADVICE = ("give this worker a free port in TF_CONFIG (and check that no two workers "
+                       "share a task.index).")
 
 
 class RendezvousError(RuntimeError):
@@ -143,10 +145,13 @@ class Rendezvous:
         fingerprint: JSON-serialisable facts that must be identical on every worker.
         timeout: seconds before giving up on missing workers (default 120).
         names: display names per rank (default `worker:<rank>`).
+        port_advice: how to choose other ports, for the error when this worker's port is
+            taken (default: about TF_CONFIG; the orchestrator resolvers give their own).
     """
 
     def __init__(self, addresses: Sequence[str], rank: int, fingerprint: Mapping[str, Any],
-                 timeout: float = DEFAULT_TIMEOUT_SECONDS, names: Sequence[str] | None = None):
+                 timeout: float = DEFAULT_TIMEOUT_SECONDS, names: Sequence[str] | None = None,
+                 port_advice: str | None = None):
         if timeout <= 0:
             raise ValueError(f"rendezvous timeout must be positive seconds, got {timeout!r}")
         if not 0 <= rank < len(addresses):
@@ -156,6 +161,7 @@ class Rendezvous:
         self.me = self.peers[rank]
         self.fingerprint = dict(fingerprint)
         self.timeout = float(timeout)
+        self.port_advice = port_advice or DEFAULT_PORT_ADVICE
         self._state = _State()
 
     def _hello(self) -> dict[str, Any]:
@@ -381,8 +387,7 @@ class Rendezvous:
             pass
         return RendezvousError(
             f"{self.me.name} cannot listen on {self.me.address}: the port is already in use by "
-            f"{occupant}. Stop that program, or give this worker a free port in TF_CONFIG "
-            "(and check that no two workers share a task.index)."
+            f"{occupant}. Stop that program, or {self.port_advice}"
         )
 
     # ------------------------------------------------------------------ main

@@ -133,7 +133,8 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
                                             self._backend.engine_description())
             names = [f"{job}:{index}" for job, index in self._resolver.group_tasks]
             Rendezvous(self._resolver.worker_addresses, self._resolver.worker_index, fingerprint,
-                       timeout=self._options.rendezvous_timeout_seconds, names=names).run()
+                       timeout=self._options.rendezvous_timeout_seconds, names=names,
+                       port_advice=getattr(self._resolver, "port_advice", None)).run()
         self._backend.join()
         self._backend.install_patches()
         self._closed = False

@@ -211,3 +211,27 @@ def test_single_worker_fallback_describes_itself():
     resolver = detect_cluster_resolver({})
     assert isinstance(resolver, TFConfigClusterResolver) and resolver.is_single_worker
     assert describe_source(resolver).startswith("single worker")
+
+
+@pytest.mark.parametrize("make, advice", [
+    (lambda port: SlurmClusterResolver(gpus_per_node=0, environ={
+        **SLURM, "SLURM_PROCID": "0", "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_TASKS_PER_NODE": "2",
+        "SLURMD_NODENAME": "localhost", "KERAS_MWMS_PORT_BASE": str(port)}), "KERAS_MWMS_PORT_BASE"),
+    (lambda port: TorchrunClusterResolver(environ={**TORCHRUN, "RANK": "0", "LOCAL_RANK": "0",
+                                                   "MASTER_PORT": str(port - 1)}), "--master-port"),
+], ids=["slurm", "torchrun"])
+def test_rendezvous_names_the_port_convention_when_the_port_is_taken(make, advice):
+    """Another job already holds this worker's port: the rendezvous says so, with the resolver's way out."""
+    import socket
+
+    from keras_mwms.rendezvous import Rendezvous, RendezvousError
+
+    with socket.socket() as occupant:
+        occupant.bind(("127.0.0.1", 0))
+        occupant.listen(1)
+        resolver = make(occupant.getsockname()[1])
+        with pytest.raises(RendezvousError) as caught:
+            Rendezvous(resolver.worker_addresses, resolver.worker_index, {}, timeout=10,
+                       port_advice=resolver.port_advice).run()
+    message = str(caught.value)
+    assert "already in use" in message and advice in message, message

@@ -14,10 +14,13 @@ tests/test_two_hosts.py adds the Slurm style across two network namespaces. Each
 bit-identical and within 1e-5 of one process (one reference per backend, shared), report the
 resolver the strategy picked with no TF_CONFIG set, and the chief alone must log the source
 once. A gang takes 11-15 s here, so the 9 runs plus 3 references cost about 2.5 minutes.
+A last test starts two PyTorchJob-style "pods" (one process each, no LOCAL_WORLD_SIZE) that
+exchange their hosts through the store rank 0 opens on MASTER_PORT.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -150,3 +153,22 @@ def test_orchestrator_gang_trains_like_one_process(style, backend, tmp_path, ref
     assert source in ran.outputs[0].split(SOURCE_LINE)[1].splitlines()[0]
     if len(spawns) == 2:
         assert SOURCE_LINE not in ran.outputs[1], ran.outputs[1][-4000:]
+
+
+@pytest.mark.torch
+def test_pytorchjob_pods_exchange_their_hosts_through_the_masters_store(tmp_path):
+    """One process per "pod" (no LOCAL_WORLD_SIZE), as a PyTorchJob starts them: each learns the
+    other's host through the store rank 0 opens on MASTER_PORT. Both pods are this machine, whose
+    loopback address stands for its host name."""
+    master_port = free_port_run(2)
+    script = ("import json, keras_mwms.resolvers as r; "
+              "print('ADDRESSES', json.dumps(r.TorchrunClusterResolver().worker_addresses))")
+    spawns = [Spawn([sys.executable, "-c", script, str(tmp_path)],
+                    {**worker_env(), "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                     "MASTER_PORT": str(master_port), "KERAS_MWMS_RENDEZVOUS_TIMEOUT": "30"})
+              for rank in (0, 1)]
+    ran = run_processes(spawns, timeout=90, grace_after_failure=30)
+    assert ran.codes == [0, 0], ran.log()
+    expected = [f"{socket.gethostname()}:{master_port + 1}"] * 2
+    for output in ran.outputs:
+        assert f"ADDRESSES {json.dumps(expected)}" in output, output[-2000:]

@@ -106,6 +106,8 @@ class EnvironmentClusterResolver(ClusterResolver):
     """
 
     source: str = "environment"
+    port_advice: str = ("set KERAS_MWMS_PORT_BASE, the same on every task, to the start of a free "
+                        "port range (another job on this node may use these ports).")
     _local_rank: int = 0
 
     def _set_workers(self, addresses: Sequence[str], rank: int, local_rank: int,

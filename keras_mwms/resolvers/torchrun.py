@@ -97,6 +97,8 @@ class TorchrunClusterResolver(EnvironmentClusterResolver):
         self._set_workers(addresses_by_rank([node_hosts[r // local_size] for r in range(world_size)],
                                             [master_port + 1 + r % local_size for r in range(world_size)]),
                           rank, local_rank, rpc_layer)
+        self.port_advice = (f"choose another --master-port: keras_mwms listens on MASTER_PORT+1 .. "
+                            f"MASTER_PORT+{local_size} next to torchrun's store on MASTER_PORT.")
         self.source = ("torchrun" if "TORCHELASTIC_RUN_ID" in environ else "torch-style launcher") + \
             f" (RANK/WORLD_SIZE, MASTER_ADDR={master_host}:{master_port})"
 
