@@ -65,7 +65,9 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
     `model.fit` then consumes one global batch per step, split across all replicas, with
     gradients all-reduced and global metrics in the logs.
 
-    Without `TF_CONFIG` the strategy runs a single worker, like plain Keras, and warns once.
+    Without `TF_CONFIG` it reads the job from Slurm (`srun`), torchrun / PyTorchJob or MPI
+    variables (`keras_mwms.resolvers`); without any, it runs a single worker, like plain Keras,
+    and warns once.
 
     Example:
 
@@ -121,10 +123,11 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
         if self._resolver.num_workers == 1:
             warnings.warn(
                 "keras_mwms.MultiWorkerMirroredStrategy is running a single worker "
-                + ("(TF_CONFIG is not set). " if not self._tf_config_at_creation else
-                   "(TF_CONFIG lists one worker). ")
-                + "Set TF_CONFIG on every worker, or start them with "
-                "`python -m keras_mwms.launch --workers N script.py`, to train on several.",
+                + ("(TF_CONFIG lists one worker). " if self._tf_config_at_creation else
+                   f"({self._resolver.source} has one worker). " if getattr(self._resolver, "source", None)
+                   else "(TF_CONFIG is not set, nor a Slurm step, torchrun or MPI variables). ")
+                + "Set TF_CONFIG on every worker, start them with srun, torchrun or mpirun, or "
+                "with `python -m keras_mwms.launch --workers N script.py`, to train on several.",
                 stacklevel=2,
             )
         else:
