@@ -12,6 +12,7 @@ a `TF_CONFIG` for 4 workers inside a 2-task Slurm step is an error, not a guess.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Mapping
 
 from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver, TFConfigClusterResolver
@@ -24,7 +25,9 @@ SOURCE_ENV = "KERAS_MWMS_CLUSTER_SOURCE"
 
 
 def _tf_config_size(environ: Mapping[str, str]) -> int:
-    return TFConfigClusterResolver(tf_config=environ[TF_CONFIG_ENV]).num_workers
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # the resolver that is kept warns once, on its own
+        return TFConfigClusterResolver(tf_config=environ[TF_CONFIG_ENV]).num_workers
 
 
 def _sizes(environ: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], int]]]:
@@ -83,6 +86,8 @@ def detect_cluster_resolver(environ: Mapping[str, str] | None = None) -> Cluster
     present = _sizes(environ)
     if not present:
         return _build("single", environ)
+    if len(present) == 1:
+        return _build(next(iter(present)), environ)
     counts = {source: (variable, read()) for source, (variable, read) in present.items()}
     chosen = next(iter(counts))
     chosen_variable, chosen_count = counts[chosen]
