@@ -16,6 +16,8 @@ servers.
 
 Everything here is pure Python: a bad `TF_CONFIG` is reported as a `TFConfigError` (a
 `ValueError`) naming the field, the value and the fix, before any backend or network is touched.
+Resolvers for launchers that do not write `TF_CONFIG` (Slurm, torchrun / PyTorchJob, MPI) build
+on `ClusterResolver` in `keras_mwms.resolvers`.
 """
 
 from __future__ import annotations
