@@ -109,6 +109,7 @@ def srun_style(backend: str, out: Path) -> list[Spawn]:
 
 def torchrun_style(backend: str, out: Path) -> list[Spawn]:
     """`torchrun --nproc-per-node 2 train.py`: one agent process whose store holds MASTER_PORT."""
+    pytest.importorskip("torch.distributed.run", reason="torchrun ships with torch")
     return [Spawn([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                    "--master-addr", "127.0.0.1", "--master-port", str(free_port_run(3)),
                    *python_worker("two_hosts_fit.py", str(out))[2:]], worker_env(backend))]
