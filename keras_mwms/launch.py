@@ -149,6 +149,8 @@ class Gang:
         env.update(self.extra_env)
         env.update(self.worker_env.get(index, {}))
         env["TF_CONFIG"] = make_tf_config(self.addresses, index)
+        # The gang is described by TF_CONFIG, also inside a Slurm step or a torchrun/MPI job.
+        env["KERAS_MWMS_CLUSTER_SOURCE"] = "tf_config"
         env["KERAS_MWMS_ATTEMPT"] = str(self.attempt)
         env[devices.LOCAL_WORKERS_ENV] = str(self.workers)
         env["PYTHONUNBUFFERED"] = "1"

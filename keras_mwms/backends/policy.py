@@ -14,6 +14,9 @@ collectives lives here and imports no ML framework:
 - **metric reduction** — `metric_reduction` says how one metric state variable combines over
   workers (sum, max, min, or the chief's), `GlobalMetricState` swaps the global state in while
   logs are computed;
+- **float16 overflow** — `float16_gradients`: which summed gradients one process would have
+  computed in float16, so that a sum beyond float16's range skips the step under a
+  LossScaleOptimizer, as one process's inf would (`FLOAT16_OVERFLOW`);
 - **the collective engine** — `choose_implementation`: which of RING or NCCL a request
   (AUTO / RING / NCCL) gets on this worker; each backend maps the answer to its engine name;
 - **lost workers** — `worker_label`, `lost_worker_message` and `raise_worker_lost`: one message
@@ -249,6 +252,43 @@ class GlobalMetricState:
         for (_, variable), saved in zip(self.pairs, self.saved):
             variable.assign(saved)
         return False
+
+
+# -- float16 overflow ---------------------------------------------------------------------
+
+# float16 rounds every |x| >= 65520 to inf (65504 is its largest finite value).
+FLOAT16_OVERFLOW = 65520.0
+
+
+def float16_gradients(model: Any, variables: list | None = None) -> list[bool]:
+    """Per trainable variable: whether one process computes its gradient in float16.
+
+    Under `mixed_float16` a layer computing in float16 casts its float32 variables to float16,
+    so the whole batch's gradient of such a variable is a float16 value, inf when its sum over
+    the batch leaves float16's range. Workers sum float32 gradients of their shards, which stay
+    finite: a summed gradient at or beyond `FLOAT16_OVERFLOW` is where one process saw inf.
+
+    Example:
+
+    >>> import types
+    >>> kernel = types.SimpleNamespace(dtype="float32", _autocast=True)
+    >>> head = types.SimpleNamespace(dtype="float32", _autocast=True)
+    >>> layers = [types.SimpleNamespace(compute_dtype="float16", _trainable_variables=[kernel]),
+    ...           types.SimpleNamespace(compute_dtype="float32", _trainable_variables=[head])]
+    >>> model = types.SimpleNamespace(trainable_variables=[kernel, head],
+    ...                               _flatten_layers=lambda include_self=True: layers)
+    >>> float16_gradients(model)
+    [True, False]
+    """
+    in_float16 = set()
+    for layer in model._flatten_layers(include_self=True):
+        if getattr(layer, "compute_dtype", None) != "float16":
+            continue
+        for variable in getattr(layer, "_trainable_variables", []):
+            if str(variable.dtype) == "float16" or getattr(variable, "_autocast", False):
+                in_float16.add(id(variable))
+    return [id(variable) in in_float16
+            for variable in (model.trainable_variables if variables is None else variables)]
 
 
 # -- the collective engine ----------------------------------------------------------------

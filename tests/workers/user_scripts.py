@@ -402,6 +402,58 @@ def variant_loss_scale():
     return model, {"history": fit_arrays(model, x, y)}
 
 
+class LossScaleHistory(keras.callbacks.Callback):
+    """The dynamic loss scale and the applied-step count after every batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        optimizer = self.model.optimizer
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            self.steps.append([float(keras.ops.convert_to_numpy(optimizer.dynamic_scale)),
+                               int(keras.ops.convert_to_numpy(optimizer.iterations))])
+
+
+def _mixed_precision(policy, make_optimizer=None, input_scale=1.0):
+    """Trains the MLP under a global dtype policy (restored after); Keras wraps the optimizer
+    in a LossScaleOptimizer for mixed_float16 by itself."""
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        x, y = regression()
+        with scope():
+            model = mlp()
+            # In the scope: TensorFlow applies a LossScaleOptimizer only of its own strategy.
+            optimizer = make_optimizer() if make_optimizer else keras.optimizers.SGD(0.05)
+            model.compile(optimizer=optimizer, loss="mse")
+        history = LossScaleHistory()
+        results = {"history": fit_arrays(model, x * input_scale, y, callbacks=[history])}
+        if policy == "mixed_float16":
+            results["loss_scale"] = history.steps
+        return model, results
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def variant_mixed_float16():
+    return _mixed_precision("mixed_float16")
+
+
+def variant_mixed_float16_overflow():
+    # Starts far too high: the first steps overflow and are skipped while the scale halves.
+    # Small inputs keep the overflow in per-row values rather than in sums over the batch.
+    def make_optimizer():
+        return keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05), initial_scale=2.0 ** 20,
+                                                   dynamic_growth_steps=4)
+
+    return _mixed_precision("mixed_float16", make_optimizer, input_scale=0.01)
+
+
+def variant_mixed_bfloat16():
+    return _mixed_precision("mixed_bfloat16")
+
+
 def variant_evaluate_predict_uneven():
     x, y = regression()
     with scope():

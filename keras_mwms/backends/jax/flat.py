@@ -209,9 +209,22 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
                                 + [metric_dtypes[i] for i in summed]))
     if "float32" not in dtypes:
         dtypes.append("float32")  # carries the row count
+    # Under a LossScaleOptimizer each worker differentiates 1 / workers of its shard's mean loss:
+    # per row, the float16 values of the scaled backward are then one process's, so a step
+    # overflows (and is skipped) at the loss scale one process's does. Undone on the gradients.
+    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+
+    scaled_loss = isinstance(optimizer, LossScaleOptimizer)
+    share = 1.0 / jax.process_count() if scaled_loss else 1.0
+    # ... and a summed gradient one process computes in float16 is inf beyond float16's range.
+    in_float16 = policy.float16_gradients(model) if scaled_loss else [False] * len(model.trainable_variables)
+
+    def loss_share(*args, **kwargs):
+        loss, aux = model.compute_loss_and_updates(*args, **kwargs)
+        return (loss * share if share != 1.0 else loss), aux
 
     def local_part(trainable, non_trainable, optimizer_variables, metrics, x, y, sample_weight, rows):
-        grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
+        grad_fn = jax.value_and_grad(loss_share, has_aux=True)
         (_, aux), grads = grad_fn(trainable, non_trainable, metrics, x, y, sample_weight, training=True,
                                   optimizer_variables=optimizer_variables)
         unscaled_loss, y_pred, non_trainable, new_metrics = aux
@@ -221,7 +234,7 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
         metrics = [jnp.where(rows > 0, new, old) for new, old in zip(new_metrics, metrics)]
         pieces: dict[str, list] = {dtype: [] for dtype in dtypes}
         for grad in grads:
-            pieces[str(grad.dtype)].append((grad * rows.astype(grad.dtype)).ravel())
+            pieces[str(grad.dtype)].append((grad * (rows / share).astype(grad.dtype)).ravel())
         for i in statistics:
             value = non_trainable[i]
             pieces[str(value.dtype)].append((value * rows.astype(value.dtype)).ravel())
@@ -246,6 +259,8 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
             return flat.reshape(like.shape)
 
         grads = [take(variable) for variable in trainable]
+        grads = [jnp.where(jnp.abs(grad) >= policy.FLOAT16_OVERFLOW, jnp.inf, grad) if flagged else grad
+                 for grad, flagged in zip(grads, in_float16)]
         non_trainable = list(non_trainable)
         for i in statistics:
             non_trainable[i] = take(non_trainable[i])

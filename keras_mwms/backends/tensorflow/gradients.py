@@ -10,15 +10,20 @@ silently (workers stay bit-identical, so nothing looks broken):
   all-reduce: on the benchmark MLP, 2 workers, 0.92× the Keras 3 + tf.distribute peer with
   it, 1.03× without, in two runs on the 2-core CI machine)
   and scales the loss by `replicas × local rows / global rows`; gradients are then averaged
-  over replicas. A row weighs `1 / global rows` on every replica, and a loss a
-  custom `train_step` logs is the global batch's mean, as in one process. (Full, evenly split
-  batches have a scale of exactly 1.)
+  over replicas. A row weighs `1 / global rows` on every replica, and a loss a custom
+  `train_step` logs is the global batch's mean, as in one process. (Full, evenly split
+  batches have a scale of exactly 1.) Under a `LossScaleOptimizer` the scale is the row share,
+  `local rows / global rows`, and gradients are summed: per row, the float16 values of each
+  replica's scaled backward are then one process's, so steps overflow as in one process.
 * **Clipping.** `clipnorm` / `global_clipnorm` / `clipvalue` ran on each replica's partial
   gradient, before the all-reduce. Here gradients are all-reduced first.
 * **Gradient accumulation.** Keras' `tf.cond` around the update contains a `merge_call`, which
   TF forbids in a replica context ("merge_call called while defining a new graph"). Here the
   whole update, accumulation and clipping included, runs after one `merge_call`, in the
   cross-replica context, on the all-reduced gradients.
+* **Loss scaling.** `LossScaleOptimizer` checks each replica's partial gradient for inf/NaN
+  and all-reduces inside a `tf.cond`: mixed_float16 hangs in the first step. Here it decides
+  on the all-reduced gradient, the same on every worker.
 
 `RowWeighting` holds the replacements; `keras_mwms.backends.tensorflow.patches` lists them as
 rows of the backend's patch table.
@@ -31,6 +36,8 @@ import functools
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from keras_mwms.backends import policy
 
 
 def _rows_of(nest):
@@ -76,16 +83,26 @@ class RowWeighting:
     def __init__(self, strategy: Any):
         self.strategy = strategy
         self.loops_running = 0                   # > 0 while our fit/evaluate wrapper runs a Keras loop
+        self.loop_models: list = []              # the models of those loops, innermost last
         self._replica = threading.local()        # per replica thread: this step's loss scale factor
 
     @contextlib.contextmanager
-    def keras_loop(self):
-        """Marks a Keras fit/evaluate call: its steps are row-weighted."""
+    def keras_loop(self, model: Any = None):
+        """Marks a Keras fit/evaluate call of `model`: its steps are row-weighted."""
         self.loops_running += 1
+        self.loop_models.append(model)
         try:
             yield
         finally:
+            self.loop_models.pop()
             self.loops_running -= 1
+
+    def _loss_scaled(self) -> bool:
+        """Whether the innermost Keras loop's model trains with a LossScaleOptimizer."""
+        from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+
+        model = self.loop_models[-1] if self.loop_models else None
+        return isinstance(getattr(model, "optimizer", None), LossScaleOptimizer)
 
     def _factor(self):
         return getattr(self._replica, "factor", None)
@@ -102,13 +119,13 @@ class RowWeighting:
                 import tensorflow as tf
 
                 rows = _rows_of((step_args, step_kwargs))
-                if rows is None:        # no batch to count: every replica's loss counts once
-                    self._replica.factor = tf.constant(1.0)
+                context = tf.distribute.get_replica_context()
+                replicas = 1 if self._loss_scaled() else context.num_replicas_in_sync
+                if rows is None:        # no batch to count: every replica's loss counts alike
+                    self._replica.factor = tf.constant(replicas / context.num_replicas_in_sync)
                 else:
-                    context = tf.distribute.get_replica_context()
                     global_rows = context.all_reduce(tf.distribute.ReduceOp.SUM, rows)
-                    self._replica.factor = tf.math.divide_no_nan(rows * context.num_replicas_in_sync,
-                                                                 global_rows)
+                    self._replica.factor = tf.math.divide_no_nan(rows * replicas, global_rows)
                 try:
                     return fn(*step_args, **step_kwargs)
                 finally:
@@ -161,6 +178,55 @@ class RowWeighting:
             context.merge_call(update, args=(reduced,))
 
         return _backend_apply_gradients
+
+    def loss_scale_after_all_reduce(self, original: Callable) -> Callable:
+        """`LossScaleOptimizer._tf_apply`: all-reduce, then decide finiteness on the global gradient.
+
+        Keras checks each replica's own partial gradient for inf/NaN, then, in a `tf.cond`,
+        applies (with the inner optimizer's all-reduce in that branch) or skips. Across workers
+        that deadlocks in the first step, and if it did not, workers would disagree on skipping.
+        Here the gradients are all-reduced first (as `apply_after_all_reduce` does), so every
+        worker sees the same global gradient, skips the same steps and keeps one loss scale: the
+        decision one process makes on its whole batch.
+        """
+        @functools.wraps(original)
+        def _tf_apply(optimizer, grads, trainable_variables=None, *args, **kwargs):
+            import tensorflow as tf
+            from keras import ops
+
+            context = tf.distribute.get_replica_context()
+            if context is None or tf.distribute.get_strategy() is not self.strategy:
+                return original(optimizer, grads, trainable_variables, *args, **kwargs)
+            if optimizer.inner_optimizer._distribution_strategy is not self.strategy:
+                # Keras' own path would deadlock across workers in the first step.
+                raise ValueError(
+                    "keras_mwms: this LossScaleOptimizer (mixed_float16) was created outside "
+                    "strategy.scope(), so TensorFlow cannot apply it on several workers. Create the "
+                    "optimizer inside `with strategy.scope():`, where the model is compiled.")
+            present = [i for i, grad in enumerate(grads) if grad is not None]
+            reduced = (context.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in present])
+                       if present else [])
+
+            model = self.loop_models[-1] if self.loop_models else None
+            in_float16 = (policy.float16_gradients(model, list(trainable_variables))
+                          if model is not None and trainable_variables is not None else [])
+
+            def update(distribution, reduced_grads):
+                local = list(grads)
+                for i, grad in zip(present, reduced_grads):
+                    local[i] = distribution.experimental_local_results(grad)[0]
+                    if i < len(in_float16) and in_float16[i]:
+                        # One process computed this gradient in float16: inf beyond its range.
+                        local[i] = tf.where(tf.abs(local[i]) >= policy.FLOAT16_OVERFLOW,
+                                            tf.constant(float("inf"), local[i].dtype), local[i])
+                finite = optimizer.check_finite(local)
+                ops.cond(finite,
+                         lambda: optimizer._stateful_handle_finite_grads(local, trainable_variables),
+                         optimizer._stateful_handle_non_finite_grads)
+
+            context.merge_call(update, args=(reduced,))
+
+        return _tf_apply
 
     @staticmethod
     def merge_call_in_cross_replica_context(original: Callable) -> Callable:

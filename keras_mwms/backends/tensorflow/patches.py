@@ -152,5 +152,12 @@ def patch_table(backend: Any) -> PatchTable:
               works_around="Keras clips and accumulates each replica's partial gradient before the "
                            "all-reduce, and its tf.cond around a merge_call fails in a replica context",
               parameters=("grads", "trainable_variables")),
+        Patch(name="tf-loss-scale-after-all-reduce",
+              target="keras.src.optimizers.loss_scale_optimizer:LossScaleOptimizer._tf_apply",
+              replacement=weighting.loss_scale_after_all_reduce,
+              works_around="LossScaleOptimizer checks each replica's partial gradient for inf/NaN "
+                           "and all-reduces inside a tf.cond: mixed_float16 hangs across workers "
+                           "in the first step",
+              parameters=("grads", "trainable_variables")),
     ]
     return PatchTable("tensorflow", rows)

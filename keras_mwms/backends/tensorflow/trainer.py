@@ -61,7 +61,7 @@ def trainer_method(method_name: str, backend: Any) -> Callable[[Callable], Calla
             ours = backend is not None and backend.uses(model)
             if method_name == "predict" and ours and backend.num_workers > 1:
                 return _predict_on_this_worker(model, original, bound)
-            in_keras_loop = (backend.row_weighting.keras_loop() if ours and method_name != "predict"
+            in_keras_loop = (backend.row_weighting.keras_loop(model) if ours and method_name != "predict"
                              else contextlib.nullcontext())
             try:
                 with in_keras_loop:

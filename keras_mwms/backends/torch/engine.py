@@ -111,9 +111,11 @@ class TorchEngine(Backend):
         self._joined = False
         self._tcp_store: dist.TCPStore | None = None   # the store of a process group we started
         # Rows of this worker's shard in the current training step (set by the train function)
-        # and whether the loss was scaled by them (set by the optimizer's scale_loss).
+        # and the weight its loss was multiplied by (set by the optimizer's scale_loss: the
+        # rows, or rows / `loss_rows_unit` under a LossScaleOptimizer; None: not weighted).
         self.step_rows = 1
-        self.loss_weighted_by_rows = False
+        self.loss_weight: float | None = None
+        self.loss_rows_unit: float | None = None
 
     # -- identity -------------------------------------------------------------------------
     @staticmethod

@@ -1,6 +1,6 @@
 """Global-batch gradients and BatchNormalization statistics on torch.
 
-Each training step scales the loss by the worker's row count and, in `optimizer.apply`,
+Each training step scales the loss by the worker's row count (`loss_weight`) and, in `optimizer.apply`,
 all-reduces the gradients, the row count and unsynchronized BatchNormalization moving
 statistics in one bucketed flat all-reduce, then divides by the global row count
 (`average_gradients`): the exact global-batch gradient even for uneven or empty shards, seen
@@ -9,12 +9,19 @@ during `backward()` (`keras_mwms.backends.torch.overlap`), the small values ride
 bucket (`StepExtras`) and the step costs the gradient all-reduce only.
 `BatchNormalization(synchronized=True)` computes global batch statistics
 (`synchronized_moments`).
+
+Under a LossScaleOptimizer the weight is `rows / K`, K being the global rows of the fit's first
+step (one scalar all-reduce per fit): per row, the float16 values of the scaled backward are
+then one process's, so a step overflows at the loss scale one process's does; and a summed
+gradient one process computes in float16 is inf beyond float16's range
+(`policy.float16_gradients`), so every worker skips the steps one process skips.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from keras_mwms.backends import policy
@@ -46,7 +53,7 @@ class StepExtras:
     def __call__(self) -> list[torch.Tensor]:
         rows = float(self.rows)
         has_rows = rows > 0
-        weight = rows if self.backend.loss_weighted_by_rows else float(has_rows)
+        weight = self.backend.loss_weight if self.backend.loss_weight is not None else float(has_rows)
         tensors = [variable.value.data * rows if has_rows else torch.zeros_like(variable.value.data)
                    for variable in self.statistics]
         tensors.append(torch.tensor([weight, rows], dtype=self.dtype))
@@ -86,12 +93,42 @@ def unsynchronized_batch_norm_statistics(model) -> list:
     return statistics
 
 
+def loss_weight(backend: TorchEngine, optimizer) -> float:
+    """The factor a worker's mean loss is multiplied by: its rows (÷ K under loss scaling)."""
+    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+
+    rows = float(backend.step_rows)
+    if not isinstance(optimizer, LossScaleOptimizer):
+        return rows
+    if backend.loss_rows_unit is None:
+        total = float(backend.all_reduce(np.array([rows], np.float64), "sum")[0])
+        backend.loss_rows_unit = total or 1.0
+    return rows / backend.loss_rows_unit
+
+
 @torch._dynamo.disable
 @torch.no_grad()
 def average_gradients(backend: TorchEngine, model, grads: list, variables=None) -> list:
+    """Global-batch gradients (`averaged_over_workers`), with one process's float16 overflow.
+
+    Under a LossScaleOptimizer a gradient one process computes in float16 is inf where its
+    sum leaves float16's range (`policy.float16_gradients`).
+    """
+    averaged = averaged_over_workers(backend, model, grads, variables)
+    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+
+    if isinstance(getattr(model, "optimizer", None), LossScaleOptimizer):
+        in_float16 = policy.float16_gradients(model, None if variables is None else list(variables))
+        for grad, flagged in zip(averaged, in_float16):
+            if flagged and grad is not None:
+                grad.masked_fill_(grad.abs() >= policy.FLOAT16_OVERFLOW, float("inf"))
+    return averaged
+
+
+def averaged_over_workers(backend: TorchEngine, model, grads: list, variables=None) -> list:
     """Global-batch gradients: Σ_w (rows_w · grad_w) / Σ_w rows_w, in bucketed all-reduces.
 
-    The loss was already multiplied by this worker's rows (`scale_loss`); a custom
+    The loss was already multiplied by this worker's `loss_weight` (`scale_loss`); a custom
     `train_step` that skips `scale_loss` (Keras' guides do) computed the mean loss of its
     shard, so its gradients are multiplied by the rows here: the same global-batch gradient,
     also when workers hold different numbers of rows. Unsynchronized BatchNormalization moving
@@ -101,14 +138,14 @@ def average_gradients(backend: TorchEngine, model, grads: list, variables=None) 
     """
     has_rows = backend.step_rows > 0
     rows = float(backend.step_rows)
-    weight = rows if backend.loss_weighted_by_rows else float(has_rows)
+    weight = backend.loss_weight if backend.loss_weight is not None else float(has_rows)
     statistics = unsynchronized_batch_norm_statistics(model)
     reducer = STATE.get(model, "overlap")
     if reducer is not None and reducer.armed:
         # Always finish: its collectives are in flight on every worker.
         step_extras = reducer.extras
         summed, reduced_extras = reducer.finish()
-        backend.loss_weighted_by_rows = False
+        backend.loss_weight = None
         if variables is not None and reducer.covers(list(variables)):
             if isinstance(step_extras, StepExtras):
                 total_weight = step_extras.consume(reduced_extras)
@@ -116,9 +153,9 @@ def average_gradients(backend: TorchEngine, model, grads: list, variables=None) 
                         for grad, total in zip(grads, summed)]
             return _average_overlapped(backend, grads, summed, statistics, weight, rows)
     # A custom step's gradients are those of its shard's mean loss: weight them by the rows.
-    row_scale = 1.0 if backend.loss_weighted_by_rows else rows
-    weight = rows
-    backend.loss_weighted_by_rows = False
+    row_scale = 1.0 if backend.loss_weight is not None else rows
+    weight = backend.loss_weight if backend.loss_weight is not None else rows
+    backend.loss_weight = None
     present = [i for i, grad in enumerate(grads) if grad is not None]
     payload = []
     for i in present:

@@ -182,8 +182,8 @@ def _loss_weighted_by_rows(original: Callable) -> Callable:
         backend = backend_of(model) if model is not None else None
         if backend is None or not backend.distributed:
             return loss
-        backend.loss_weighted_by_rows = True
-        return loss * float(backend.step_rows)
+        backend.loss_weight = gradients.loss_weight(backend, self)
+        return loss * backend.loss_weight
 
     return scale_loss
 
@@ -267,7 +267,8 @@ TABLE = PatchTable("torch", [
           _loss_weighted_by_rows, _ROWS, parameters=("loss",)),
     Patch("torch-loss-scale-optimizer-rows",
           f"{_OPTIMIZERS}.loss_scale_optimizer:LossScaleOptimizer.scale_loss",
-          _loss_weighted_by_rows, f"LossScaleOptimizer overrides scale_loss; {_ROWS}",
+          _loss_weighted_by_rows, f"LossScaleOptimizer overrides scale_loss; {_ROWS} ÷ the "
+          "fit's first global rows, so float16 values of the scaled backward are one process's",
           parameters=("loss",)),
     Patch("torch-gradient-all-reduce", f"{_OPTIMIZERS}.base_optimizer:BaseOptimizer.apply",
           _averaged_gradients, _GRADIENTS, parameters=("grads", "trainable_variables")),

@@ -42,6 +42,7 @@ def prepare_fit(model, backend: TorchEngine) -> None:
     broadcast_state(model, backend)
     # Layers may have changed since the last fit (trainable flags): re-collect.
     STATE.of(model).batch_norm_statistics = None
+    backend.loss_rows_unit = None     # a LossScaleOptimizer's unit: this fit's first global rows
 
 
 def prepare_evaluate(model, backend: TorchEngine) -> None:
