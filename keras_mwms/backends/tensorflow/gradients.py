@@ -82,27 +82,32 @@ class RowWeighting:
 
     def __init__(self, strategy: Any):
         self.strategy = strategy
-        self.loops_running = 0                   # > 0 while our fit/evaluate wrapper runs a Keras loop
-        self.loop_models: list = []              # the models of those loops, innermost last
+        self.loop_models: list = []              # models of the Keras loops our fit/evaluate runs, innermost last
         self._replica = threading.local()        # per replica thread: this step's loss scale factor
 
     @contextlib.contextmanager
     def keras_loop(self, model: Any = None):
         """Marks a Keras fit/evaluate call of `model`: its steps are row-weighted."""
-        self.loops_running += 1
         self.loop_models.append(model)
         try:
             yield
         finally:
             self.loop_models.pop()
-            self.loops_running -= 1
+
+    @property
+    def loops_running(self) -> int:
+        """How many Keras loops of ours are running (> 0: steps are row-weighted)."""
+        return len(self.loop_models)
+
+    def _loop_model(self) -> Any:
+        """The innermost running Keras loop's model, or None."""
+        return self.loop_models[-1] if self.loop_models else None
 
     def _loss_scaled(self) -> bool:
         """Whether the innermost Keras loop's model trains with a LossScaleOptimizer."""
         from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 
-        model = self.loop_models[-1] if self.loop_models else None
-        return isinstance(getattr(model, "optimizer", None), LossScaleOptimizer)
+        return isinstance(getattr(self._loop_model(), "optimizer", None), LossScaleOptimizer)
 
     def _factor(self):
         return getattr(self._replica, "factor", None)
@@ -207,7 +212,7 @@ class RowWeighting:
             reduced = (context.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in present])
                        if present else [])
 
-            model = self.loop_models[-1] if self.loop_models else None
+            model = self._loop_model()
             in_float16 = (policy.float16_gradients(model, list(trainable_variables))
                           if model is not None and trainable_variables is not None else [])
 
