@@ -22,6 +22,10 @@ Exit code: 0 only when every worker of the last attempt exits 0.
 Each worker gets `TF_CONFIG`, `KERAS_MWMS_ATTEMPT` (0 on the first start),
 `KERAS_MWMS_LOCAL_WORKERS` (N) and, unless already set, `OMP_NUM_THREADS` = cores ÷ N:
 oversubscribing cores made synchronous training several times slower in our probes.
+
+GPUs (`--gpus-per-worker`, see `keras_mwms.gpu_assignment`): each worker gets
+`KERAS_MWMS_LOCAL_RANK` (its index) and, on a host with GPUs, its own `CUDA_VISIBLE_DEVICES`:
+one GPU per worker by default, K with `--gpus-per-worker K`, every GPU with `all`.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from keras_mwms import devices
+from keras_mwms import devices, gpu_assignment
 from keras_mwms.cluster import format_address, make_tf_config
 
 DEFAULT_GRACE_PERIOD_SECONDS = 10.0
@@ -153,6 +157,7 @@ class Gang:
         env["KERAS_MWMS_CLUSTER_SOURCE"] = "tf_config"
         env["KERAS_MWMS_ATTEMPT"] = str(self.attempt)
         env[devices.LOCAL_WORKERS_ENV] = str(self.workers)
+        env[gpu_assignment.LOCAL_RANK_ENV] = str(index)
         env["PYTHONUNBUFFERED"] = "1"
         env.setdefault("OMP_NUM_THREADS", str(devices.threads_per_worker(self.workers)))
         return env
@@ -266,11 +271,13 @@ class Launcher:
         port_base: fixed first port, or None for free ports on every attempt.
         grace_period: seconds between SIGTERM and SIGKILL.
         log: where the launcher's own messages go (stderr by default).
+        worker_env: variables added to one worker's environment, by worker index (its GPUs).
     """
 
     def __init__(self, command: Sequence[str], workers: int, max_restarts: int = 0,
                  host: str = "localhost", port_base: int | None = None,
-                 grace_period: float = DEFAULT_GRACE_PERIOD_SECONDS, log=None, output=None):
+                 grace_period: float = DEFAULT_GRACE_PERIOD_SECONDS, log=None, output=None,
+                 worker_env: dict[int, dict[str, str]] | None = None):
         if max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
         self.command = list(command)
@@ -281,6 +288,7 @@ class Launcher:
         self.grace_period = grace_period
         self.log = log or sys.stderr
         self.output = output or sys.stdout
+        self.worker_env = worker_env   # per worker index, e.g. its GPUs (`gpu_worker_env`)
         self.gang: Gang | None = None
         self._signalled: int | None = None
         self._signal_count = 0
@@ -358,7 +366,7 @@ class Launcher:
                 # Signalled between attempts: starting workers now would only mean killing them.
                 return self._report_signal(0.0, [])
             self.gang = Gang(self.command, self.workers, self.host, self.port_base,
-                             self.grace_period, attempt)
+                             self.grace_period, attempt, worker_env=self.worker_env)
             self._say(f"attempt {attempt + 1}/{self.max_restarts + 1}: starting {self.workers} "
                       f"worker(s) at {', '.join(self.gang.addresses)}")
             started = time.monotonic()
@@ -400,6 +408,12 @@ def build_parser(prog: str = "python -m keras_mwms.launch") -> argparse.Argument
                         help="worker i listens on PORT_BASE + i (default: free ports)")
     parser.add_argument("--grace-period", type=float, default=DEFAULT_GRACE_PERIOD_SECONDS,
                         help="seconds between SIGTERM and SIGKILL when stopping workers")
+    parser.add_argument("--gpus-per-worker", default=gpu_assignment.AUTO, metavar="K",
+                        help="GPUs each worker trains on, via its CUDA_VISIBLE_DEVICES: 'auto' "
+                             "(default: one per worker when the host has a GPU per worker), a "
+                             "number K (TensorFlow and JAX use several as local replicas; torch "
+                             "takes 1), 'all' (every worker sees every GPU: one TensorFlow worker "
+                             "with all GPUs as local replicas), or 0 (the CPU)")
     parser.add_argument("-m", dest="module", default=None,
                         help="run a module (like python -m) instead of a script")
     parser.add_argument("script_and_args", nargs=argparse.REMAINDER,
@@ -421,6 +435,39 @@ def command_from_arguments(arguments: argparse.Namespace, parser: argparse.Argum
     return [sys.executable, "-u", *rest]
 
 
+def gpu_worker_env(workers: int, gpus_per_worker: str = gpu_assignment.AUTO, environ=None,
+                   log=None) -> dict[int, dict[str, str]]:
+    """Each worker's `CUDA_VISIBLE_DEVICES` and `KERAS_MWMS_GPUS_PER_WORKER` (nothing on a CPU host).
+
+    Raises `keras_mwms.gpu_assignment.GpuAssignmentError` when the request does not fit the host.
+
+    Example:
+
+    >>> gpu_worker_env(2, "auto", {"CUDA_VISIBLE_DEVICES": "4,5,6", "KERAS_BACKEND": "torch"},
+    ...                log=open("/dev/null", "w"))[1]
+    {'CUDA_VISIBLE_DEVICES': '5', 'KERAS_MWMS_GPUS_PER_WORKER': '1'}
+    >>> gpu_worker_env(2, "auto", {"CUDA_VISIBLE_DEVICES": ""})
+    {}
+    """
+    environ = os.environ if environ is None else environ
+    per_worker = gpu_assignment.parse_gpus_per_worker(gpus_per_worker)
+    names = devices.visible_gpu_names(environ)
+    backend = devices.configured_backend_name(environ)
+    plan = gpu_assignment.plan_launch(backend, workers, names, per_worker)
+    if plan is None:
+        return {}
+    share = "all" if per_worker == gpu_assignment.ALL else str(len(plan[0].split(",")) if plan[0] else 0)
+    log = log or sys.stderr
+    listing = "; ".join(f"worker {index}: {visible or 'CPU'}" for index, visible in enumerate(plan))
+    used = {name for visible in plan for name in visible.split(",") if name}
+    idle = f"; {len(names) - len(used)} GPU(s) left idle" if 0 < len(used) < len(names) else ""
+    log.write(f"[launcher] GPUs ({backend}, --gpus-per-worker {gpus_per_worker}): "
+              f"CUDA_VISIBLE_DEVICES {listing}{idle}\n")
+    log.flush()
+    return {index: {"CUDA_VISIBLE_DEVICES": visible, gpu_assignment.GPUS_PER_WORKER_ENV: share}
+            for index, visible in enumerate(plan)}
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "python -m keras_mwms.launch") -> int:
     """Entry point of `python -m keras_mwms.launch` and `keras-mwms launch`."""
     parser = build_parser(prog)
@@ -433,8 +480,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m keras_mwms.la
         parser.error(f"--port-base {arguments.port_base} leaves no room for "
                      f"{arguments.workers} ports below 65536")
     command = command_from_arguments(arguments, parser)
+    try:
+        worker_env = gpu_worker_env(arguments.workers, arguments.gpus_per_worker)
+    except gpu_assignment.GpuAssignmentError as error:
+        parser.error(str(error))
     launcher = Launcher(command, arguments.workers, arguments.max_restarts, arguments.host,
-                        arguments.port_base, arguments.grace_period)
+                        arguments.port_base, arguments.grace_period, worker_env=worker_env)
     return launcher.run()
 
 

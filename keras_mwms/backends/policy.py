@@ -326,6 +326,41 @@ def choose_implementation(requested: Any, gpu_count: int, backend: str, ring_eng
     return CommunicationImplementation.RING
 
 
+
+def exclusive_gpus_reason(backend: str, requested: Any, gpu_count: int) -> str | None:
+    """Why workers of this job must not share a GPU (the rendezvous then refuses), or None.
+
+    `requested` is the `CommunicationImplementation` asked for; `gpu_count` the GPUs this worker
+    claims. `choose_implementation` decides AUTO/NCCL/RING as the engines do; JAX always needs
+    one GPU per worker (its GPU collectives are NCCL). The rendezvous uses the answer to refuse
+    two workers claiming one GPU, naming both, before any engine starts.
+
+    Example:
+
+    >>> from keras_mwms.communication import CommunicationImplementation as Impl
+    >>> exclusive_gpus_reason("torch", Impl.RING, 1) is None, exclusive_gpus_reason("torch", Impl.AUTO, 0) is None
+    (True, True)
+    >>> exclusive_gpus_reason("torch", Impl.AUTO, 1).split(":")[0]
+    'CommunicationImplementation.AUTO picks NCCL on GPUs'
+    """
+    if gpu_count <= 0:
+        return None
+    from keras_mwms.communication import CommunicationImplementation
+    from keras_mwms.gpu_assignment import SET_A_LOCAL_RANK
+
+    fix = ("NCCL cannot run two ranks on one GPU (it would fail later with 'Duplicate GPU "
+           f"detected'). Give each worker its own GPU: {SET_A_LOCAL_RANK}")
+    if backend == "jax":
+        return ("JAX runs collectives between GPUs with NCCL whatever CommunicationImplementation "
+                f"asks for ({requested.name}; RING means gloo, for CPU arrays only): " + fix + ".")
+    chosen = choose_implementation(requested, gpu_count, backend, "ring", nccl_usable=True)
+    if chosen is not CommunicationImplementation.NCCL:
+        return None
+    verb = "picks" if requested is CommunicationImplementation.AUTO else "is"
+    return (f"CommunicationImplementation.{requested.name} {verb} NCCL on GPUs: " + fix
+            + "; or request CommunicationImplementation.RING to share GPUs.")
+
+
 # -- lost workers -------------------------------------------------------------------------
 
 

@@ -1,0 +1,235 @@
+"""Which GPUs a worker uses (`keras_mwms.gpu_assignment`), over faked environments: no GPU needed.
+
+Worker side: N workers × G visible GPUs × backend × which local-rank variable is set, the
+launcher's narrowed environment, and the refusals. Launcher side: each worker's
+`CUDA_VISIBLE_DEVICES` for `--gpus-per-worker` auto/K/all/0, and its errors. Sharing: when the
+rendezvous must refuse two workers on one GPU. Identities: `CUDA_VISIBLE_DEVICES` entries
+mapped to nvidia-smi's UUIDs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from unittest import mock
+
+import pytest
+
+from keras_mwms import devices, launch
+from keras_mwms.backends.policy import exclusive_gpus_reason
+from keras_mwms.communication import CommunicationImplementation as Impl
+from keras_mwms.gpu_assignment import (
+    GPUS_PER_WORKER_ENV,
+    LOCAL_RANK_VARIABLES,
+    GpuAssignmentError,
+    assign_gpus,
+    infer_local_rank,
+    parse_gpus_per_worker,
+    plan_launch,
+)
+
+BACKENDS = ("tensorflow", "jax", "torch")
+WORKERS = (1, 2, 4, 8)
+GPUS = (0, 1, 2, 4, 8)
+
+
+@pytest.mark.parametrize("backend,workers,visible,variable", list(itertools.product(
+    BACKENDS, WORKERS, GPUS, (None, *LOCAL_RANK_VARIABLES))))
+def test_every_worker_of_a_host_gets_a_gpu_or_a_clear_refusal(backend, workers, visible, variable):
+    """Each local rank of N workers on G GPUs: the rules of the module docstring, worker by worker."""
+    chosen = []
+    for rank in range(workers):
+        environ = {variable: str(rank)} if variable else {}
+        if visible == 0:
+            assignment = assign_gpus(backend, visible, workers, environ)
+            assert assignment.gpus == () and assignment.replicas == 1 and not assignment.narrows
+            continue
+        if variable:
+            assignment = assign_gpus(backend, visible, workers, environ)
+            assert assignment.gpus == (rank % visible,), assignment
+            assert assignment.local_rank == rank and variable in assignment.reason
+            assert ("share GPUs" in assignment.reason) == (rank >= visible)
+            chosen.append(assignment.gpus[0])
+        elif backend in ("tensorflow", "jax"):
+            assignment = assign_gpus(backend, visible, workers, environ)
+            assert assignment.gpus == tuple(range(visible)) and assignment.replicas == visible
+        elif visible == 1 or workers == 1:
+            assert assign_gpus(backend, visible, workers, environ).gpus == (0,)
+        else:
+            with pytest.raises(GpuAssignmentError) as refused:
+                assign_gpus(backend, visible, workers, environ)
+            message = str(refused.value)
+            assert f"sees {visible} GPUs" in message and "one device per process" in message
+            assert all(name in message for name in LOCAL_RANK_VARIABLES)
+            assert "CUDA_VISIBLE_DEVICES" in message and "keras_mwms.launch" in message
+    if variable and visible >= workers:
+        assert chosen == list(range(workers)), "one GPU per worker, in local-rank order"
+
+
+def test_the_launchers_variable_wins_over_the_orchestrators():
+    environ = {"LOCAL_RANK": "3", "SLURM_LOCALID": "1", "KERAS_MWMS_LOCAL_RANK": "2"}
+    assert infer_local_rank(environ) == (2, "KERAS_MWMS_LOCAL_RANK")
+    assert infer_local_rank({"SLURM_LOCALID": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "0"}) == (1, "SLURM_LOCALID")
+    assert infer_local_rank({"LOCAL_RANK": " "}) is None
+
+
+@pytest.mark.parametrize("value", ["one", "-1", "1.5"])
+def test_a_malformed_local_rank_is_named(value):
+    with pytest.raises(GpuAssignmentError, match=rf"LOCAL_RANK='{value}' is not a local rank.*Fix or unset LOCAL_RANK"):
+        assign_gpus("torch", 2, 2, {"LOCAL_RANK": value})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_launcher_narrowed_worker_uses_what_it_sees(backend):
+    """The launcher set CUDA_VISIBLE_DEVICES to this worker's GPUs: local rank 3 must not index them."""
+    environ = {GPUS_PER_WORKER_ENV: "1", "KERAS_MWMS_LOCAL_RANK": "3"}
+    assert assign_gpus(backend, 1, 4, environ).gpus == (0,)
+    environ = {GPUS_PER_WORKER_ENV: "2", "KERAS_MWMS_LOCAL_RANK": "3"}
+    if backend == "torch":
+        with pytest.raises(GpuAssignmentError, match="one device per process: use --gpus-per-worker 1"):
+            assign_gpus(backend, 2, 4, environ)
+    else:
+        assignment = assign_gpus(backend, 2, 4, environ)
+        assert assignment.gpus == (0, 1) and assignment.replicas == 2 and not assignment.narrows
+
+
+# -- the launcher -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend,workers,gpus,per_worker,expected", [
+    ("torch", 2, ["0", "1", "2", "3"], "auto", ["0", "1"]),
+    ("jax", 4, ["0", "1", "2", "3"], "auto", ["0", "1", "2", "3"]),
+    ("tensorflow", 2, ["4", "5", "6", "7"], 2, ["4,5", "6,7"]),
+    ("jax", 2, ["GPU-a", "GPU-b", "GPU-c", "GPU-d"], 2, ["GPU-a,GPU-b", "GPU-c,GPU-d"]),
+    ("tensorflow", 1, ["0", "1", "2"], "all", ["0,1,2"]),
+    ("torch", 2, ["0"], "all", ["0", "0"]),
+    ("torch", 2, ["0", "1"], 0, ["", ""]),
+    ("jax", 3, [], "auto", None),
+    ("tensorflow", 2, [], "all", None),
+    ("torch", 1, ["0", "1"], 1, ["0"]),
+])
+def test_launch_plans(backend, workers, gpus, per_worker, expected):
+    assert plan_launch(backend, workers, gpus, per_worker) == expected
+
+
+@pytest.mark.parametrize("backend,workers,gpus,per_worker,message", [
+    ("torch", 4, ["0", "1"], "auto", r"--workers 4 on a host with 2 GPU\(s\).*--gpus-per-worker all.*--gpus-per-worker 0"),
+    ("jax", 3, ["0", "1", "2", "3"], 2, r"--gpus-per-worker 2 × --workers 3 = 6 GPUs, but this host has 4"),
+    ("torch", 2, ["0", "1", "2", "3"], 2, r"torch trains on one device per process"),
+    ("torch", 2, ["0", "1"], "all", r"every torch worker all 2 GPUs"),
+    ("jax", 2, [], 1, r"shows no GPU"),
+])
+def test_launch_refusals(backend, workers, gpus, per_worker, message):
+    with pytest.raises(GpuAssignmentError, match=message):
+        plan_launch(backend, workers, gpus, per_worker)
+
+
+def test_gpus_per_worker_parsing():
+    assert [parse_gpus_per_worker(text) for text in ("auto", "All", "0", "3")] == ["auto", "all", 0, 3]
+    for bad in ("-1", "two", ""):
+        with pytest.raises(GpuAssignmentError, match="expected 'auto', 'all' or a number"):
+            parse_gpus_per_worker(bad)
+
+
+def test_launcher_environment_per_worker(capsys):
+    """`--gpus-per-worker` → each worker's CUDA_VISIBLE_DEVICES, the marker, and a launcher line."""
+    environ = {"CUDA_VISIBLE_DEVICES": "0,1,2,3", "KERAS_BACKEND": "jax"}
+    env = launch.gpu_worker_env(2, "2", environ)
+    assert env == {0: {"CUDA_VISIBLE_DEVICES": "0,1", GPUS_PER_WORKER_ENV: "2"},
+                   1: {"CUDA_VISIBLE_DEVICES": "2,3", GPUS_PER_WORKER_ENV: "2"}}
+    assert "worker 0: 0,1; worker 1: 2,3" in capsys.readouterr().err
+    launch.gpu_worker_env(2, "auto", environ)
+    assert "2 GPU(s) left idle" in capsys.readouterr().err
+    assert launch.gpu_worker_env(1, "all", environ)[0] == {"CUDA_VISIBLE_DEVICES": "0,1,2,3",
+                                                          GPUS_PER_WORKER_ENV: "all"}
+    with mock.patch.object(devices, "nvidia_smi_gpus", return_value=[]):
+        assert launch.gpu_worker_env(2, "auto", {"KERAS_BACKEND": "torch"}) == {}
+
+
+def test_launcher_gang_sets_each_workers_local_rank_and_gpus():
+    gang = launch.Gang(["true"], workers=2, worker_env={1: {"CUDA_VISIBLE_DEVICES": "1"}})
+    assert [gang._environment(index)["KERAS_MWMS_LOCAL_RANK"] for index in (0, 1)] == ["0", "1"]
+    assert gang._environment(1)["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+def test_launcher_cli_refuses_more_gpus_than_the_host_has(capsys):
+    with mock.patch.dict("os.environ", {"CUDA_VISIBLE_DEVICES": "0,1", "KERAS_BACKEND": "jax"}):
+        with pytest.raises(SystemExit) as stopped:
+            launch.main(["--workers", "2", "--gpus-per-worker", "2", "-m", "json.tool"])
+    assert stopped.value.code == 2
+    assert "--gpus-per-worker 2 × --workers 2 = 4 GPUs, but this host has 2 (0, 1)" in capsys.readouterr().err
+
+
+# -- sharing a GPU --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("requested", list(Impl))
+@pytest.mark.parametrize("gpus", [0, 1, 2])
+def test_when_workers_must_not_share_a_gpu(backend, requested, gpus):
+    reason = exclusive_gpus_reason(backend, requested, gpus)
+    if gpus == 0:
+        assert reason is None
+    elif backend == "jax":
+        assert "JAX runs collectives between GPUs with NCCL" in reason and requested.name in reason
+    elif requested is Impl.RING:
+        assert reason is None
+    else:
+        assert reason.startswith(f"CommunicationImplementation.{requested.name} ")
+        assert "Duplicate GPU" in reason and "RING" in reason and "LOCAL_RANK" in reason
+
+
+# -- identities -----------------------------------------------------------------------------------
+
+SMI = [("0", "GPU-aaaa"), ("1", "GPU-bbbb"), ("2", "GPU-cccc")]
+
+
+def test_visible_gpus_are_named_by_uuid():
+    with mock.patch.object(devices, "nvidia_smi_gpus", return_value=SMI):
+        assert devices.visible_gpu_identities({}) == ["GPU-aaaa", "GPU-bbbb", "GPU-cccc"]
+        assert devices.visible_gpu_identities({"CUDA_VISIBLE_DEVICES": "2,0"}) == ["GPU-cccc", "GPU-aaaa"]
+        assert devices.visible_gpu_identities({"CUDA_VISIBLE_DEVICES": "MIG-x,GPU-bbbb"}) == ["MIG-x", "GPU-bbbb"]
+        assert devices.visible_gpu_identities({"CUDA_VISIBLE_DEVICES": "-1"}) == []
+        assert devices.visible_gpu_names({}) == ["0", "1", "2"]
+    with mock.patch.object(devices, "nvidia_smi_gpus", return_value=[]):
+        assert devices.visible_gpu_identities({"CUDA_VISIBLE_DEVICES": "3"})[0].endswith("/gpu3")
+
+
+def test_nvidia_smi_listing_is_parsed():
+    listing = ("GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1b2c3d4e-0000-1111-2222-333344445555)\n"
+               "  MIG 1g.10gb     Device  0: (UUID: MIG-aaaa)\n"
+               "GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-99)\n")
+    completed = mock.Mock(returncode=0, stdout=listing)
+    with mock.patch("subprocess.run", return_value=completed):
+        assert devices.nvidia_smi_gpus() == [("0", "GPU-1b2c3d4e-0000-1111-2222-333344445555"), ("1", "GPU-99")]
+    with mock.patch("subprocess.run", side_effect=FileNotFoundError("nvidia-smi")):
+        assert devices.nvidia_smi_gpus() == []
+
+
+def test_worker_identity_names_the_assigned_gpu(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("KERAS_MWMS_FAKE_GPU_UUIDS", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("KERAS_MWMS_LOCAL_RANK", raising=False)
+    monkeypatch.delenv(GPUS_PER_WORKER_ENV, raising=False)
+    with mock.patch.object(devices, "nvidia_smi_gpus", return_value=SMI), \
+            mock.patch.object(devices, "visible_gpu_count", return_value=3):
+        devices._assignments.clear()
+        assert devices.worker_identity("tensorflow", 2)["gpus"] == ["GPU-bbbb"]
+    devices._assignments.clear()
+    monkeypatch.setenv("KERAS_MWMS_FAKE_GPU_UUIDS", "GPU-fake")
+    assert devices.worker_identity("torch", 2)["gpus"] == ["GPU-fake"]
+
+
+def test_jax_counts_gpus_without_starting(monkeypatch):
+    assert devices.jax_gpu_count_before_start({"JAX_PLATFORMS": "cpu"}) == 0
+    assert devices.jax_gpu_count_before_start({"CUDA_VISIBLE_DEVICES": ""}) == 0
+    with mock.patch("importlib.util.find_spec", return_value=object()), \
+            mock.patch.object(devices, "nvidia_smi_gpus", return_value=SMI):
+        assert devices.jax_gpu_count_before_start({}) == 3
+        assert devices.jax_gpu_count_before_start({"CUDA_VISIBLE_DEVICES": "1"}) == 1
+
+
+def test_configured_backend_is_read_without_keras(tmp_path):
+    (tmp_path / "keras.json").write_text('{"backend": "torch"}')
+    assert devices.configured_backend_name({"KERAS_HOME": str(tmp_path)}) == "torch"
+    assert devices.configured_backend_name({"KERAS_HOME": str(tmp_path / "none")}) == "tensorflow"
