@@ -9,6 +9,11 @@ backend binds anything, keras_mwms runs this small, bounded handshake over plain
   send a one-line JSON *hello*: the task's name and index, the address it believes it has, and
   a *fingerprint* (the ordered cluster, keras_mwms / Keras / backend versions, backend name,
   collective choice).
+* The hello also carries the worker's *identity*: its host and the GPUs it trains on (UUIDs
+  where the driver names them, `keras_mwms.devices.worker_identity`). These differ per worker,
+  so they are not part of the fingerprint; but where the job's collectives are NCCL on GPUs
+  (`keras_mwms.backends.policy.exclusive_gpus_reason`), two workers claiming one physical GPU
+  fail fast here, naming both workers and the GPU, instead of NCCL's late "Duplicate GPU".
 * Each side compares the peer's hello with its own view. Any difference (another cluster order,
   another Keras version, a second process claiming the same index, a peer at an unexpected
   address) fails *fast* on both ends, with a message naming the odd worker and the field.
@@ -147,11 +152,15 @@ class Rendezvous:
         names: display names per rank (default `worker:<rank>`).
         port_advice: how to choose other ports, for the error when this worker's port is
             taken (default: about TF_CONFIG; the orchestrator resolvers give their own).
+        identity: this worker's `{"host": ..., "gpus": [GPU identities]}` (default: none).
+        exclusive_gpus: why no two workers may share a GPU (the error's explanation and fix),
+            or None to allow sharing.
     """
 
     def __init__(self, addresses: Sequence[str], rank: int, fingerprint: Mapping[str, Any],
                  timeout: float = DEFAULT_TIMEOUT_SECONDS, names: Sequence[str] | None = None,
-                 port_advice: str | None = None):
+                 port_advice: str | None = None, identity: Mapping[str, Any] | None = None,
+                 exclusive_gpus: str | None = None):
         if timeout <= 0:
             raise ValueError(f"rendezvous timeout must be positive seconds, got {timeout!r}")
         if not 0 <= rank < len(addresses):
@@ -162,6 +171,8 @@ class Rendezvous:
         self.fingerprint = dict(fingerprint)
         self.timeout = float(timeout)
         self.port_advice = port_advice or DEFAULT_PORT_ADVICE
+        self.identity = dict(identity or {})
+        self.exclusive_gpus = exclusive_gpus
         self._state = _State()
 
     def _hello(self) -> dict[str, Any]:
@@ -172,6 +183,7 @@ class Rendezvous:
             "name": self.me.name,
             "address": self.me.address,
             "fingerprint": self.fingerprint,
+            "identity": self.identity,
         }
         if self._state.aborted:
             hello["abort"] = self._state.errors[0]
@@ -209,7 +221,23 @@ class Rendezvous:
                 "Check every worker's task.index and that the address list is identical everywhere."
             )
             return None
+        shared = self._shared_gpus(hello.get("identity"))
+        if shared:
+            theirs = hello.get("identity") or {}
+            self._state.fail(
+                f"{self.me.name} at {self.me.address} (host {self.identity.get('host')}) and "
+                f"{name} at {address} (host {theirs.get('host')}) both train on GPU "
+                f"{', '.join(shared)}. {self.exclusive_gpus}"
+            )
+            return None
         return rank
+
+    def _shared_gpus(self, theirs: Any) -> list[str]:
+        """The GPUs this worker and a peer both claim, where the job forbids sharing."""
+        if not self.exclusive_gpus or not isinstance(theirs, Mapping):
+            return []
+        their_gpus = set(theirs.get("gpus") or [])
+        return [gpu for gpu in self.identity.get("gpus", []) if gpu in their_gpus]
 
     # ------------------------------------------------------------------ listening side
     def _serve(self, listener: socket.socket, stop: threading.Event) -> None:

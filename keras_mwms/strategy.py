@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from keras_mwms import active, devices
-from keras_mwms.backends import backend_class, resume
+from keras_mwms.backends import backend_class, policy, resume
 from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver
 from keras_mwms.communication import CommunicationOptions
 from keras_mwms.compat_v1 import CompatV1Methods
@@ -135,9 +135,15 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
                                             backend_type.version(),
                                             self._backend.engine_description())
             names = [f"{job}:{index}" for job, index in self._resolver.group_tasks]
+            # Host and GPUs differ per worker: not fingerprint, but two NCCL workers on one GPU
+            # fail here, naming both, instead of in NCCL's "Duplicate GPU" minutes later.
+            identity = devices.worker_identity(self._backend_name, self._resolver.num_workers)
+            exclusive = policy.exclusive_gpus_reason(self._backend_name, self._options.implementation,
+                                                     len(identity["gpus"]))
             Rendezvous(self._resolver.worker_addresses, self._resolver.worker_index, fingerprint,
                        timeout=self._options.rendezvous_timeout_seconds, names=names,
-                       port_advice=getattr(self._resolver, "port_advice", None)).run()
+                       port_advice=getattr(self._resolver, "port_advice", None),
+                       identity=identity, exclusive_gpus=exclusive).run()
         self._backend.join()
         self._backend.install_patches()
         self._closed = False

@@ -10,8 +10,10 @@ mapped to nvidia-smi's UUIDs.
 from __future__ import annotations
 
 import itertools
+import time
 from unittest import mock
 
+import numpy as np
 import pytest
 
 from keras_mwms import devices, launch
@@ -26,6 +28,7 @@ from keras_mwms.gpu_assignment import (
     parse_gpus_per_worker,
     plan_launch,
 )
+from tests.multiworker import GangResult, python_worker, run_gang, worker_env
 
 BACKENDS = ("tensorflow", "jax", "torch")
 WORKERS = (1, 2, 4, 8)
@@ -233,3 +236,93 @@ def test_configured_backend_is_read_without_keras(tmp_path):
     (tmp_path / "keras.json").write_text('{"backend": "torch"}')
     assert devices.configured_backend_name({"KERAS_HOME": str(tmp_path)}) == "torch"
     assert devices.configured_backend_name({"KERAS_HOME": str(tmp_path / "none")}) == "tensorflow"
+
+
+# -- the same-GPU check in the rendezvous ------------------------------------------------------
+
+
+def _meet(identities: list[dict], exclusive: str | None) -> list[str | None]:
+    """Two in-process rendezvous (threads) with these identities; each one's error or None."""
+    import threading
+
+    from keras_mwms.rendezvous import Rendezvous, RendezvousError
+
+    addresses = [f"localhost:{port}" for port in launch.find_free_ports(2)]
+    errors: list[str | None] = [None, None]
+
+    def member(rank: int) -> None:
+        try:
+            Rendezvous(addresses, rank, {"backend": "torch"}, timeout=20,
+                       identity=identities[rank], exclusive_gpus=exclusive).run()
+        except RendezvousError as error:
+            errors[rank] = str(error)
+
+    threads = [threading.Thread(target=member, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not any(thread.is_alive() for thread in threads)
+    return errors
+
+
+def test_rendezvous_refuses_two_workers_on_one_gpu_naming_both():
+    reason = exclusive_gpus_reason("torch", Impl.NCCL, 1)
+    errors = _meet([{"host": "h0", "gpus": ["GPU-a", "GPU-x"]}, {"host": "h1", "gpus": ["GPU-x"]}], reason)
+    for error in errors:
+        assert error is not None
+        assert "worker:0 at localhost:" in error and "(host h0)" in error
+        assert "worker:1 at localhost:" in error and "(host h1)" in error
+        assert "both train on GPU GPU-x." in error and "Duplicate GPU" in error
+
+
+def test_rendezvous_lets_workers_share_a_gpu_where_allowed_and_distinct_gpus_always():
+    same = [{"host": "h", "gpus": ["GPU-x"]}, {"host": "h", "gpus": ["GPU-x"]}]
+    assert _meet(same, None) == [None, None]
+    distinct = [{"host": "h", "gpus": ["GPU-x"]}, {"host": "h", "gpus": ["GPU-y"]}]
+    assert _meet(distinct, exclusive_gpus_reason("jax", Impl.RING, 1)) == [None, None]
+
+
+# -- a real gang claiming one GPU -----------------------------------------------------------------
+
+
+def _claiming_one_gpu(backend: str, implementation: str, out) -> GangResult:
+    env = worker_env(backend, KERAS_MWMS_FAKE_GPU_UUIDS="GPU-0f0e0d0c-fake-4000-8000-000000000001")
+    return run_gang(python_worker("gpu_identity.py", implementation, str(out)), 2, timeout=180, env=env)
+
+
+@pytest.mark.torch
+def test_torch_gang_on_one_gpu_fails_fast_under_auto_and_trains_under_ring(tmp_path):
+    """AUTO means NCCL on GPUs: both workers stop in the rendezvous, naming each other and the GPU.
+
+    The fake UUID only changes what the workers claim; they run on the CPU, so under RING the
+    same gang trains (gloo), and its workers end bit-identical.
+    """
+    started = time.monotonic()
+    result = _claiming_one_gpu("torch", "AUTO", tmp_path / "auto")
+    elapsed = time.monotonic() - started
+    assert result.returncode != 0, result.output[-3000:]
+    refusals = [line for worker in (0, 1) for line in result.lines(worker) if line.startswith("RESULT error")]
+    assert refusals, result.output[-3000:]
+    for line in refusals:
+        assert "worker:0 at localhost:" in line and "worker:1 at localhost:" in line
+        assert "both train on GPU GPU-0f0e0d0c-fake-4000-8000-000000000001" in line
+        assert "CommunicationImplementation.AUTO picks NCCL on GPUs" in line
+        assert float(line.split()[2]) < 20, line    # strategy creation to refusal: 0.1 s here
+    assert not (tmp_path / "auto").exists(), "no worker may train after the refusal"
+    print(f"torch AUTO on one claimed GPU: refused after {elapsed:.1f} s (gang wall time)")
+
+    result = _claiming_one_gpu("torch", "RING", tmp_path / "ring")
+    assert result.returncode == 0, result.output[-3000:]
+    first, second = (np.load(tmp_path / "ring" / f"w{index}.npz") for index in (0, 1))
+    assert all(np.array_equal(first[key], second[key]) for key in first.files)
+
+
+@pytest.mark.tensorflow
+def test_tensorflow_gang_on_one_gpu_fails_fast_under_nccl(tmp_path):
+    """NCCL requested by name: the check uses the request and the claimed GPUs, not the CPU fallback."""
+    result = _claiming_one_gpu("tensorflow", "NCCL", tmp_path)
+    assert result.returncode != 0, result.output[-3000:]
+    lines = [line for worker in (0, 1) for line in result.lines(worker) if line.startswith("RESULT error")]
+    assert lines and all("CommunicationImplementation.NCCL is NCCL on GPUs" in line
+                         and "worker:0" in line and "worker:1" in line for line in lines), result.output[-3000:]

@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import importlib.util
 import json
-import os
 import pickle
 import warnings
 from collections.abc import Callable
@@ -42,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from keras_mwms import devices
 from keras_mwms.backends import policy
 from keras_mwms.backends.base import Backend
 from keras_mwms.backends.jax import flat, surface
@@ -59,7 +58,8 @@ def likely_gpu_count() -> int:
     """GPUs this JAX worker will see, judged before JAX starts (starting it would be too early).
 
     0 without a CUDA/ROCm plugin, with `JAX_PLATFORMS` excluding GPUs, or with
-    `CUDA_VISIBLE_DEVICES` hiding them; otherwise the visible list's length, or 1 when unset.
+    `CUDA_VISIBLE_DEVICES` hiding them; otherwise the visible GPUs (`CUDA_VISIBLE_DEVICES`, else
+    nvidia-smi), at least 1 (`keras_mwms.devices.jax_gpu_count_before_start`).
 
     Example:
 
@@ -68,16 +68,7 @@ def likely_gpu_count() -> int:
     ...     likely_gpu_count()
     0
     """
-    platforms = os.environ.get("JAX_PLATFORMS", "")
-    if platforms and "cuda" not in platforms and "gpu" not in platforms and "rocm" not in platforms:
-        return 0
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", None)
-    if visible in ("", "-1"):
-        return 0
-    if not any(importlib.util.find_spec(name) is not None
-               for name in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin")):
-        return 0
-    return len(visible.split(",")) if visible else 1
+    return devices.jax_gpu_count_before_start()
 
 
 def resolve_engine(implementation: CommunicationImplementation, gpu_count: int) -> str:
@@ -116,7 +107,9 @@ class JaxBackend(Backend):
 
     def __init__(self, resolver, options, tf_config_at_creation: str = ""):
         super().__init__(resolver, options, tf_config_at_creation)
-        self._engine = resolve_engine(options.implementation, likely_gpu_count())
+        # This worker's GPUs (`keras_mwms.gpu_assignment`); JAX restricts itself to them at join.
+        self.gpu_assignment = devices.gpu_assignment("jax", self.num_workers)
+        self._engine = resolve_engine(options.implementation, len(self.gpu_assignment.gpus))
         self._joined = False
         self._distribution = None
         self._mesh = None
@@ -147,6 +140,8 @@ class JaxBackend(Backend):
         import jax
         import keras
 
+        if self.num_workers == 1 and self.gpu_assignment.narrows:
+            jax.config.update("jax_cuda_visible_devices", ",".join(map(str, self.gpu_assignment.gpus)))
         if self.num_workers > 1:
             initialize_distributed(self)
             # Registered after jax.distributed's own exit hook, so it runs first (last in, first
@@ -433,6 +428,9 @@ def initialize_distributed(backend: Backend) -> None:
         heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_SECONDS,
         shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_SECONDS,
         coordinator_bind_address=coordinator_bind_address(backend.resolver),
+        # This worker's GPUs, always explicit on GPUs: left unset, JAX would infer them from
+        # Slurm/MPI variables, which the launcher's narrowed CUDA_VISIBLE_DEVICES may not hold.
+        local_device_ids=list(backend.gpu_assignment.gpus) or None,
     )
     if gloo:
         bind_gloo_to_tf_config_host(backend.resolver)   # before the first jax.devices()

@@ -65,11 +65,13 @@ def resolve_engine(implementation: CommunicationImplementation, gpu_count: int) 
     return policy.choose_implementation(implementation, gpu_count, "TensorFlow", "gRPC").value.lower()
 
 
-def tf_cluster_resolver(resolver: ClusterResolver):
+def tf_cluster_resolver(resolver: ClusterResolver, gpus: int = 0):
     """Our resolver as a TF `SimpleClusterResolver` over the training jobs (`chief`, `worker`).
 
     `ps` and `evaluator` tasks are left out: a mirrored strategy never talks to them, and TF
-    would otherwise wait for them at start-up.
+    would otherwise wait for them at start-up. `gpus` is this worker's GPU count: TF's strategy
+    takes its local replicas from the resolver's `num_accelerators()` (not from the visible
+    devices), so without it a GPU worker would train on its CPU.
 
     Example:
 
@@ -84,7 +86,8 @@ def tf_cluster_resolver(resolver: ClusterResolver):
     training_jobs = {job: tasks for job, tasks in spec.items() if job in ("chief", "worker")}
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(training_jobs), task_type=resolver.task_type,
-        task_id=resolver.task_id, rpc_layer=resolver.rpc_layer or "grpc")
+        task_id=resolver.task_id, rpc_layer=resolver.rpc_layer or "grpc",
+        num_accelerators={"GPU": gpus} if gpus else None)
 
 
 def lost_ranks(text: str, resolver: ClusterResolver, own_rank: int) -> list[int]:
@@ -150,7 +153,9 @@ class TensorFlowBackend(Backend):
         super().__init__(resolver, options, tf_config_at_creation)
         from keras_mwms import devices
 
-        self.gpu_count = devices.local_gpu_count()
+        # This worker's GPUs (`keras_mwms.gpu_assignment`): its local replicas, or the CPU.
+        self.gpu_assignment = devices.gpu_assignment("tensorflow", self.num_workers)
+        self.gpu_count = len(self.gpu_assignment.gpus)
         self.implementation = CommunicationImplementation(
             resolve_engine(options.implementation, self.gpu_count).upper())
         self.strategy = None
@@ -180,12 +185,16 @@ class TensorFlowBackend(Backend):
             implementation=getattr(tf.distribute.experimental.CommunicationImplementation,
                                    self.implementation.value),
         )
+        if self.gpu_assignment.narrows:
+            physical = tf.config.list_physical_devices("GPU")
+            tf.config.set_visible_devices([physical[i] for i in self.gpu_assignment.gpus], "GPU")
         if self.num_workers > 1:
-            cluster_resolver = tf_cluster_resolver(self.resolver)
+            cluster_resolver = tf_cluster_resolver(self.resolver, self.gpu_count)
         else:
             # One worker: a local strategy (no gRPC server), i.e. plain Keras behaviour.
             cluster_resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-                tf.train.ClusterSpec({}), task_type="worker", task_id=0)
+                tf.train.ClusterSpec({}), task_type="worker", task_id=0,
+                num_accelerators={"GPU": self.gpu_count} if self.gpu_count else None)
         try:
             self.strategy = tf.distribute.MultiWorkerMirroredStrategy(
                 cluster_resolver=cluster_resolver, communication_options=tf_options)

@@ -11,7 +11,9 @@
 * **leave** — the process group is destroyed in order, at `strategy.close()` or at exit.
 
 One replica per worker process (one CPU or one GPU); several GPUs per worker are out of scope:
-start one worker per GPU instead.
+start one worker per GPU instead. Which GPU is `keras_mwms.gpu_assignment`'s answer (the
+launcher's, or the local rank's, or the only one); `join` makes it the current CUDA device before
+Keras creates a tensor, so Keras' "cuda" means this worker's GPU.
 """
 
 from __future__ import annotations
@@ -116,6 +118,9 @@ class TorchEngine(Backend):
         self.step_rows = 1
         self.loss_weight: float | None = None
         self.loss_rows_unit: float | None = None
+        # This worker's GPU (or none): decided now, so a worker that cannot tell which GPU is
+        # its own fails before the rendezvous.
+        self.gpu_assignment = devices.gpu_assignment("torch", self.num_workers)
 
     # -- identity -------------------------------------------------------------------------
     @staticmethod
@@ -124,7 +129,7 @@ class TorchEngine(Backend):
 
     def engine_description(self) -> str:
         if self._engine is None:
-            self._engine = resolve_engine(self.options.implementation, devices.local_gpu_count())
+            self._engine = resolve_engine(self.options.implementation, len(self.gpu_assignment.gpus))
         return self._engine
 
     @property
@@ -138,8 +143,8 @@ class TorchEngine(Backend):
 
     @property
     def device(self) -> torch.device:
-        """Where collective payloads live: the current CUDA device with nccl, else the CPU."""
-        return torch.device(f"cuda:{torch.cuda.current_device()}") if self.engine_description() == "nccl" \
+        """Where collective payloads live: this worker's GPU with nccl, else the CPU."""
+        return torch.device(f"cuda:{self.gpu_assignment.gpus[0]}") if self.engine_description() == "nccl" \
             else torch.device("cpu")
 
     # -- life cycle -----------------------------------------------------------------------
@@ -148,6 +153,8 @@ class TorchEngine(Backend):
         engine = self.engine_description()
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(devices.threads_per_worker())
+        if self.gpu_assignment.gpus:
+            torch.cuda.set_device(self.gpu_assignment.gpus[0])
         if dist.is_initialized():
             self._check_existing_process_group()
         elif self.num_workers > 1:
