@@ -6,7 +6,7 @@ STAMP := $(VENV)/.keras_mwms-installed
 # The slowest cases are listed at the end of every run, so CI logs show where the time goes.
 PYTEST_ARGS ?= --durations=25
 
-.PHONY: install test lint demo guides bench-quick version-smoke keras-nightly clean
+.PHONY: install test lint demo guides bench-quick version-smoke keras-nightly gpu-check-bundle gpu-check clean
 
 install: $(STAMP)
 
@@ -53,6 +53,19 @@ version-smoke: install
 # tests/test_callbacks.py; prints what broke (exit 0 either way).
 keras-nightly: install
 	KERAS_MWMS_ALLOW_UNTESTED_KERAS=1 $(BIN)/python scripts/version_smoke.py nightly --callbacks --report-only
+
+# GPU machines (not CI): `make gpu-check-bundle` here puts the wheels Keras needs (this venv's
+# versions, for Python 3.12 and this one) into build/gpu-bundle; carry that folder with the
+# checkout to a machine whose Python has torch and/or JAX with CUDA (no Keras, no TensorFlow, no
+# network) and run `make gpu-check` there: under 8 minutes, report in build/gpu-check/report.md
+# (and $OUT). `GPU_CHECK_ARGS=--allow-cpu make gpu-check` self-tests the script on a CPU machine.
+GPU_PYTHON ?= python3
+GPU_CHECK_ARGS ?=
+gpu-check-bundle: install
+	$(BIN)/python scripts/gpu_check.py --make-bundle build/gpu-bundle
+
+gpu-check:
+	$(GPU_PYTHON) scripts/gpu_check.py --bundle build/gpu-bundle --out build/gpu-check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

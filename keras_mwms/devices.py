@@ -187,7 +187,13 @@ def visible_gpu_count(backend: str) -> int:
 
 
 def local_gpu_count_of(backend: str) -> int:
-    """`local_gpu_count()` for a named backend (torch and TensorFlow only read, never start)."""
+    """`local_gpu_count()` for a named backend (torch and TensorFlow only read, never start).
+
+    Example:
+
+    >>> local_gpu_count_of("numpy")
+    0
+    """
     if backend == "torch":
         import torch
 

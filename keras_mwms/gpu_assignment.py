@@ -8,8 +8,9 @@ These rules decide, from what a worker can read before any engine starts:
 **Worker side** (`assign_gpus`, used by every backend adapter):
 
 1. no visible GPU → the CPU;
-2. started by `keras_mwms.launch` with GPUs (it sets `KERAS_MWMS_GPUS_PER_WORKER` and narrows
-   `CUDA_VISIBLE_DEVICES` to this worker's GPUs) → every visible GPU;
+2. started by `keras_mwms.launch` with GPUs, or resolved by `SlurmClusterResolver` with
+   `auto_set_gpu` (both set `KERAS_MWMS_GPUS_PER_WORKER` and narrow `CUDA_VISIBLE_DEVICES` to
+   this worker's GPUs) → every visible GPU;
 3. a local rank can be inferred — the first set of `KERAS_MWMS_LOCAL_RANK` (the launcher's),
    `LOCAL_RANK` (torchrun, PyTorchJob, Lightning), `SLURM_LOCALID`, `OMPI_COMM_WORLD_LOCAL_RANK`
    → visible GPU `local_rank % visible` (an orchestrator that gave each task its own

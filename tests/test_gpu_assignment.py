@@ -10,6 +10,8 @@ mapped to nvidia-smi's UUIDs.
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 import time
 from unittest import mock
 
@@ -28,7 +30,7 @@ from keras_mwms.gpu_assignment import (
     parse_gpus_per_worker,
     plan_launch,
 )
-from tests.multiworker import GangResult, python_worker, run_gang, worker_env
+from tests.multiworker import REPO, GangResult, python_worker, run_gang, worker_env
 
 BACKENDS = ("tensorflow", "jax", "torch")
 WORKERS = (1, 2, 4, 8)
@@ -326,3 +328,56 @@ def test_tensorflow_gang_on_one_gpu_fails_fast_under_nccl(tmp_path):
     lines = [line for worker in (0, 1) for line in result.lines(worker) if line.startswith("RESULT error")]
     assert lines and all("CommunicationImplementation.NCCL is NCCL on GPUs" in line
                          and "worker:0" in line and "worker:1" in line for line in lines), result.output[-3000:]
+
+
+def test_slurm_tasks_keep_the_gpus_slurm_gave_them(monkeypatch):
+    """SlurmClusterResolver narrows CUDA_VISIBLE_DEVICES per task: SLURM_LOCALID must not index them."""
+    from keras_mwms.resolvers import SlurmClusterResolver
+
+    for name in ("CUDA_VISIBLE_DEVICES", GPUS_PER_WORKER_ENV):
+        monkeypatch.setenv(name, "")
+    environ = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "gpu01",
+               "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_LOCALID": "1"}
+    resolver = SlurmClusterResolver(gpus_per_node=4, environ=environ)
+    assert resolver.visible_devices == "2,3" and os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assignment = assign_gpus("jax", 2, 2, {**environ, GPUS_PER_WORKER_ENV: os.environ[GPUS_PER_WORKER_ENV]})
+    assert assignment.gpus == (0, 1) and assignment.replicas == 2
+
+
+# -- scripts/gpu_check.py (the GPU run itself is not CI's: `make gpu-check`) ----------------------------
+
+
+def _gpu_check_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module   # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_dry_run_plans_without_running_anything():
+    import subprocess
+
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--dry-run"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "gpu_check plan:" in result.stdout and "two workers sharing a GPU under RING and AUTO" in result.stdout
+
+
+def test_gpu_check_unpacks_only_the_wheels_this_python_lacks(tmp_path, monkeypatch):
+    import zipfile
+
+    gpu_check = _gpu_check_module()
+    monkeypatch.setattr(gpu_check, "BUNDLED", {"keras-mwms-absent": "keras_mwms_absent", "numpy": "numpy"})
+    wheels = tmp_path / "bundle" / "wheels"
+    wheels.mkdir(parents=True)
+    for name in ("keras_mwms_absent-1.0-py3-none-any.whl", "numpy-9.9-cp30-cp30-manylinux_2_28_x86_64.whl"):
+        with zipfile.ZipFile(wheels / name, "w") as archive:
+            archive.writestr(f"{name.split('-')[0]}/__init__.py", "VALUE = 1\n")
+    unpacked, missing = gpu_check.unpack_bundle(tmp_path / "bundle", tmp_path / "site")
+    assert unpacked == ["keras_mwms_absent-1.0-py3-none-any.whl"] and missing == []
+    assert (tmp_path / "site" / "keras_mwms_absent" / "__init__.py").exists()
+    assert not (tmp_path / "site" / "numpy").exists(), "numpy is present: its wheel stays packed"
+    assert not gpu_check._wheel_fits(wheels / "numpy-9.9-cp30-cp30-manylinux_2_28_x86_64.whl")

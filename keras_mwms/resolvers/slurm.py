@@ -194,6 +194,9 @@ class SlurmClusterResolver(EnvironmentClusterResolver):
     def _set_visible_devices(self) -> None:
         if self._auto_set_gpu and self._gpus_per_task:
             os.environ["CUDA_VISIBLE_DEVICES"] = self.visible_devices
+            # These are this task's GPUs: the backends use them all, not one by SLURM_LOCALID
+            # (`keras_mwms.gpu_assignment`, as for the launcher's).
+            os.environ["KERAS_MWMS_GPUS_PER_WORKER"] = str(self._gpus_per_task)
 
     def cluster_spec(self):
         """The cluster (and, with `auto_set_gpu`, this task's `CUDA_VISIBLE_DEVICES`, as TensorFlow's does)."""
