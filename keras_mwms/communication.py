@@ -23,6 +23,7 @@ RENDEZVOUS_TIMEOUT_ENV = "KERAS_MWMS_RENDEZVOUS_TIMEOUT"
 JAX_PATH_ENV = "KERAS_MWMS_JAX_PATH"
 TORCH_OVERLAP_ENV = "KERAS_MWMS_TORCH_OVERLAP"
 TORCH_FUSED_ADAM_ENV = "KERAS_MWMS_TORCH_FUSED_ADAM"
+HANG_REPORT_ENV = "KERAS_MWMS_HANG_REPORT_SECONDS"
 JAX_PATHS = ("auto", "flat", "dataparallel")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -88,6 +89,11 @@ class CommunicationOptions:
         torch_fused_adam: torch: Adam/AdamW through torch's fused kernel (faster, differs from
             one Keras process in the last bits; default False); `KERAS_MWMS_TORCH_FUSED_ADAM=1`
             overrides it.
+        hang_report_seconds: when a worker has waited this long in one collective, every worker
+            reports its collective ledger and stack and the chief prints one verdict (who is
+            behind, where, doing what), then the job ends (`keras_mwms.diagnostics`); default
+            60 s, well below the engines' collective timeouts; None turns hang reports off.
+            `KERAS_MWMS_HANG_REPORT_SECONDS` (seconds, or 0 for off) overrides it.
     """
 
     bytes_per_pack: int = 0
@@ -98,6 +104,7 @@ class CommunicationOptions:
     jax_path: str = "auto"
     torch_overlap: bool = True
     torch_fused_adam: bool = False
+    hang_report_seconds: float | None = 60.0
 
     def __post_init__(self) -> None:
         implementation = self.implementation
@@ -120,7 +127,9 @@ class CommunicationOptions:
         object.__setattr__(self, "implementation", implementation)
         if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
             raise ValueError(f"bytes_per_pack must be a non-negative int, got {self.bytes_per_pack!r}")
-        for name in ("timeout_seconds", "rendezvous_timeout_seconds", "lost_worker_exit_seconds"):
+        self._apply_hang_report_override()
+        for name in ("timeout_seconds", "rendezvous_timeout_seconds", "lost_worker_exit_seconds",
+                     "hang_report_seconds"):
             value = getattr(self, name)
             if value is not None:
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -131,6 +140,19 @@ class CommunicationOptions:
         if self.rendezvous_timeout_seconds is None:
             object.__setattr__(self, "rendezvous_timeout_seconds", _default_rendezvous_timeout())
         self._apply_switches()
+
+    def _apply_hang_report_override(self) -> None:
+        text = os.environ.get(HANG_REPORT_ENV, "").strip()
+        if not text:
+            return
+        try:
+            seconds = float(text)
+        except ValueError:
+            raise ValueError(f"{HANG_REPORT_ENV}={text!r} is not a number of seconds; set e.g. "
+                             f"{HANG_REPORT_ENV}=60, or 0 to turn hang reports off.") from None
+        if seconds < 0:
+            raise ValueError(f"{HANG_REPORT_ENV} must be >= 0 seconds (0: off), got {text!r}")
+        object.__setattr__(self, "hang_report_seconds", seconds or None)
 
     def _apply_switches(self) -> None:
         """Validates the behaviour switches; their environment variables override them."""

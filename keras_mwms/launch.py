@@ -49,6 +49,7 @@ DEFAULT_GRACE_PERIOD_SECONDS = 10.0
 # A SIGKILLed process is gone in milliseconds unless stuck in the kernel (a dead NFS mount);
 # the launcher must still exit then.
 REAP_TIMEOUT_SECONDS = 10.0
+DEFAULT_NO_PROGRESS_SECONDS = 600.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -277,7 +278,8 @@ class Launcher:
     def __init__(self, command: Sequence[str], workers: int, max_restarts: int = 0,
                  host: str = "localhost", port_base: int | None = None,
                  grace_period: float = DEFAULT_GRACE_PERIOD_SECONDS, log=None, output=None,
-                 worker_env: dict[int, dict[str, str]] | None = None):
+                 worker_env: dict[int, dict[str, str]] | None = None,
+                 no_progress_seconds: float | None = DEFAULT_NO_PROGRESS_SECONDS):
         if max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
         self.command = list(command)
@@ -289,6 +291,7 @@ class Launcher:
         self.log = log or sys.stderr
         self.output = output or sys.stdout
         self.worker_env = worker_env   # per worker index, e.g. its GPUs (`gpu_worker_env`)
+        self.no_progress_seconds = no_progress_seconds   # hang reports (`_hang_collector`)
         self.gang: Gang | None = None
         self._signalled: int | None = None
         self._signal_count = 0
@@ -369,12 +372,14 @@ class Launcher:
                              self.grace_period, attempt, worker_env=self.worker_env)
             self._say(f"attempt {attempt + 1}/{self.max_restarts + 1}: starting {self.workers} "
                       f"worker(s) at {', '.join(self.gang.addresses)}")
+            collector = self._hang_collector()
             started = time.monotonic()
             self.gang.start(self.output)
             try:
                 code, index = self._wait_for_gang()
             finally:
                 overdue = self._stop_gang()
+                self._close_hang_collector(collector)
             elapsed = time.monotonic() - started
             if self._signalled is not None:
                 return self._report_signal(elapsed, overdue)
@@ -390,6 +395,33 @@ class Launcher:
             self._say(f"{reason}; stopped the others{budget}; giving up")
             return exit_code_of(code)
         raise AssertionError("unreachable")
+
+
+    def _hang_collector(self):
+        """Listens for the gang's progress, hang reports and verdict (`keras_mwms.diagnostics`)."""
+        from keras_mwms.diagnostics.channel import LAUNCHER_ADDRESS_ENV
+        from keras_mwms.diagnostics.collector import HangCollector
+
+        try:
+            collector = HangCollector(self.gang.addresses, "0.0.0.0", self.no_progress_seconds, self.log)
+        except OSError as error:
+            self._say(f"no hang reports through the launcher: cannot listen on UDP ({error})")
+            return None
+        collector.address = f"{self.host}:{collector.channel.address[1]}"
+        self.gang.extra_env[LAUNCHER_ADDRESS_ENV] = collector.address
+        collector.start()
+        return collector
+
+    def _close_hang_collector(self, collector) -> None:
+        """Stops listening; prints where each worker's time went (data, compute, collectives)."""
+        if collector is None:
+            return
+        collector.close()
+        table = collector.time_table()
+        if table:
+            self._say("where each worker's time went (seconds; from its collective ledger):")
+            for line in table.splitlines():
+                self._say(f"  {line}")
 
 
 def build_parser(prog: str = "python -m keras_mwms.launch") -> argparse.ArgumentParser:
@@ -414,6 +446,10 @@ def build_parser(prog: str = "python -m keras_mwms.launch") -> argparse.Argument
                              "number K (TensorFlow and JAX use several as local replicas; torch "
                              "takes 1), 'all' (every worker sees every GPU: one TensorFlow worker "
                              "with all GPUs as local replicas), or 0 (the CPU)")
+    parser.add_argument("--no-progress-seconds", type=float, default=DEFAULT_NO_PROGRESS_SECONDS,
+                        help="ask every worker for a hang report when none made progress (a train "
+                             f"step or a collective) this long (default {DEFAULT_NO_PROGRESS_SECONDS:g}; "
+                             "0: never); the verdict is printed here too")
     parser.add_argument("-m", dest="module", default=None,
                         help="run a module (like python -m) instead of a script")
     parser.add_argument("script_and_args", nargs=argparse.REMAINDER,
@@ -485,7 +521,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m keras_mwms.la
     except gpu_assignment.GpuAssignmentError as error:
         parser.error(str(error))
     launcher = Launcher(command, arguments.workers, arguments.max_restarts, arguments.host,
-                        arguments.port_base, arguments.grace_period, worker_env=worker_env)
+                        arguments.port_base, arguments.grace_period, worker_env=worker_env,
+                        no_progress_seconds=arguments.no_progress_seconds or None)
     return launcher.run()
 
 

@@ -25,10 +25,12 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from keras_mwms import diagnostics
 from keras_mwms.backends import policy
 from keras_mwms.backends.patches import PatchTable
 from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver
 from keras_mwms.communication import CommunicationOptions
+from keras_mwms.diagnostics import data_wait
 
 REDUCE_OPS = ("sum", "min", "max")
 
@@ -93,11 +95,21 @@ class Backend(abc.ABC):
         if self._patches is None:
             self._patches = self.patch_table()
         self._patches.install()
+        self.start_diagnostics()
+
+    def start_diagnostics(self) -> None:
+        """Times the input pipeline and starts the hang watchdog (`keras_mwms.diagnostics`)."""
+        if self.num_workers > 1 and diagnostics.LEDGER.enabled:
+            data_wait.PATCHES.install()
+            diagnostics.start(self, [policy.worker_label(self.resolver, rank)
+                                     for rank in range(self.num_workers)])
 
     def uninstall_patches(self) -> None:
         """Restores every Keras original this backend patched."""
         if self._patches is not None:
             self._patches.uninstall()
+        diagnostics.stop()
+        data_wait.PATCHES.uninstall()
 
     def close(self) -> None:
         """Uninstalls the patches and leaves the engine; safe to call twice."""

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from keras_mwms import diagnostics
 from keras_mwms.errors import WorkerLostError
 
 # -- nests --------------------------------------------------------------------------------
@@ -423,6 +424,9 @@ def raise_worker_lost(backend: Any, where: str, error: BaseException, lost_ranks
     ...     print(error.lost_workers, "lost worker 1 (worker:1 at h1:2)" in str(error))
     [1] True
     """
+    # A peer that answers the side channel is not lost: a desync is named as such and ends
+    # the job there (`keras_mwms.diagnostics.confirm_lost`); otherwise this goes on.
+    diagnostics.confirm_lost(where)
     labels = [worker_label(backend.resolver, rank) for rank in lost_ranks]
     message = lost_worker_message(backend.worker_index, labels, where,
                                   str(error) or type(error).__name__)

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from keras_mwms.diagnostics import LEDGER
 from keras_mwms.errors import WorkerLostError
 
 LOST_WORKER_EXIT_CODE = 3
@@ -84,6 +85,10 @@ class LostWorkerForensics:
     # -- failures --------------------------------------------------------------------------
     def guard(self, where: str, call: Callable[[], Any]) -> Any:
         """`call()`; a failure caused by a lost peer becomes `WorkerLostError` naming it."""
+        with LEDGER.collective(where):   # one collective: counted by the ledger
+            return self._checked(where, call)
+
+    def _checked(self, where: str, call: Callable[[], Any]) -> Any:
         try:
             return call()
         except Exception as error:  # noqa: BLE001 - jaxlib's runtime errors have no stable public type
@@ -112,7 +117,7 @@ class LostWorkerForensics:
         the peers learn at once which worker is gone. A later call that returns cleanly (the
         caller handled the error) clears the mark."""
         try:
-            result = self.guard(where, call)
+            result = self._checked(where, call)
         except Exception as error:
             if self.backend.num_workers > 1 and not isinstance(error, WorkerLostError):
                 self.failed = f"{type(error).__name__} in {where}"

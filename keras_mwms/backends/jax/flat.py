@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from keras_mwms.backends import policy
+from keras_mwms.diagnostics import LEDGER
 
 FLAT = "flat"
 DATA_PARALLEL = "dataparallel"
@@ -286,6 +287,10 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
     apply_jit = jax.jit(apply_part, donate_argnums=(0, 1, 2), in_shardings=device, out_shardings=device)
 
     def train_step(state, data):
+        with LEDGER.train_step(caller=3):   # Keras' iterator_step, then fit/train_on_batch
+            return local_step(state, data)
+
+    def local_step(state, data):
         trainable, non_trainable, optimizer_variables, metrics = state
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         rows = policy.rows_of(x)
@@ -293,7 +298,10 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
             x, y, sample_weight = policy.dummy_row(x), policy.dummy_row(y), np.zeros((1,), np.float32)
         payloads, new_non_trainable, new_metrics, logs, local_gathered = local_jit(
             trainable, non_trainable, optimizer_variables, metrics, x, y, sample_weight, np.float32(rows))
-        sums = guard(lambda: [collectives.all_reduce_sum(payload) for payload in payloads])
+        # Waited for inside the guard (the apply needs it next anyway): the ledger then times
+        # the all-reduce itself, not JAX's asynchronous dispatch of it.
+        sums = guard(lambda: jax.block_until_ready([collectives.all_reduce_sum(payload)
+                                                    for payload in payloads]))
         reduced = guard(lambda: gather_and_reduce(local_gathered)) if gathered else []
         trainable, new_non_trainable, optimizer_variables, global_logs = apply_jit(
             trainable, new_non_trainable, optimizer_variables, new_metrics, sums, reduced)

@@ -57,6 +57,7 @@ from keras_mwms.backends import policy
 from keras_mwms.backends.jax import data, flat
 from keras_mwms.backends.patches import Patch, PatchTable
 from keras_mwms.data import first_batch_digest
+from keras_mwms.diagnostics.ledger import counted_in_graph
 
 _TRAINER = "keras.src.backend.jax.trainer:JAXTrainer."
 
@@ -318,7 +319,10 @@ def _flat_function(attribute: str, build):
                 return original(self, *args, **kwargs)
             _sync_state(backend, self)
             if not _on_flat_path(backend, self):
-                return original(self, *args, **kwargs)
+                result = original(self, *args, **kwargs)
+                if attribute == "train_function":   # XLA's all-reduce: one ledger entry per step
+                    self.train_function = counted_in_graph(self.train_function)
+                return result
             force = signature.bind(self, *args, **kwargs).arguments.get("force", False)
             if getattr(self, attribute) is None or force:
                 setattr(self, attribute, self._make_function(build(backend, self)))

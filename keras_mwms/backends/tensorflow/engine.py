@@ -42,6 +42,7 @@ from keras_mwms.backends.tensorflow import patches
 from keras_mwms.backends.tensorflow.gradients import RowWeighting
 from keras_mwms.cluster import ClusterResolver
 from keras_mwms.communication import CommunicationImplementation, CommunicationOptions
+from keras_mwms.diagnostics import LEDGER
 
 # TF's per-collective timeout starts one sleeping thread per collective for its whole duration
 # (≈2,500 live threads per worker after a short benchmark at 300 s), so by default we set none:
@@ -299,7 +300,8 @@ class TensorFlowBackend(Backend):
             return tf.constant(array if keep else np.zeros_like(array))
 
         per_replica = self.strategy.experimental_distribute_values_from_function(value_for)
-        return np.asarray(self._traced_sum(per_replica))
+        with LEDGER.collective("all-reduce (sum)", array.nbytes):
+            return np.asarray(self._traced_sum(per_replica))
 
     @functools.cached_property
     def _traced_sum(self):

@@ -27,6 +27,7 @@ from typing import Any
 
 from keras_mwms.backends.patches import ANY_KERAS, Patch, PatchTable
 from keras_mwms.backends.tensorflow import data, trainer
+from keras_mwms.diagnostics.ledger import counted_in_graph
 
 _TRAINER = "keras.src.backend.tensorflow.trainer"
 
@@ -98,6 +99,21 @@ def _make_reduce_per_replica(original: Callable) -> Callable:
     return reduce_per_replica
 
 
+def _counted_train_function(original: Callable) -> Callable:
+    """Keras' `make_train_function`, its train function counted by the collective ledger.
+
+    The step's all-reduces run inside one `tf.function`, out of Python's sight: each call is
+    one in-graph ledger entry (`keras_mwms.diagnostics.ledger.counted_in_graph`).
+    """
+    @functools.wraps(original)
+    def make_train_function(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        self.train_function = counted_in_graph(self.train_function)
+        return self.train_function if result is not None else None
+
+    return make_train_function
+
+
 # -- the table ----------------------------------------------------------------------------
 
 def patch_table(backend: Any) -> PatchTable:
@@ -159,5 +175,12 @@ def patch_table(backend: Any) -> PatchTable:
                            "and all-reduces inside a tf.cond: mixed_float16 hangs across workers "
                            "in the first step",
               parameters=("grads", "trainable_variables")),
+        Patch(name="tf-ledger-train-step",
+              target=f"{_TRAINER}:TensorFlowTrainer.make_train_function",
+              replacement=_counted_train_function,
+              works_around="the train step's collectives run inside one tf.function, invisible to "
+                           "the collective ledger (keras_mwms.diagnostics): each call is counted "
+                           "as one in-graph entry",
+              parameters=("force",)),
     ]
     return PatchTable("tensorflow", rows)

@@ -37,6 +37,7 @@ from keras_mwms.backends.base import Backend
 from keras_mwms.backends.torch import faults
 from keras_mwms.cluster import ClusterResolver, split_address
 from keras_mwms.communication import CommunicationImplementation, CommunicationOptions
+from keras_mwms.diagnostics import LEDGER
 from keras_mwms.errors import WorkerLostError
 
 DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = 300.0
@@ -274,7 +275,8 @@ class TorchEngine(Backend):
                      "min": dist.ReduceOp.MIN}[op]
         buckets = self._buckets(tensors)
         results: list[torch.Tensor | None] = [None] * len(tensors)
-        with self.guarded(what):
+        nbytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+        with LEDGER.collective(what, nbytes), self.guarded(what):
             pending = []
             for bucket in buckets:
                 flat = torch.cat([tensors[i].reshape(-1) for i in bucket])
@@ -312,7 +314,8 @@ class TorchEngine(Backend):
         tensors = list(tensors)
         if not self.distributed or not tensors:
             return
-        with self.guarded(what):
+        nbytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+        with LEDGER.collective(what, nbytes), self.guarded(what):
             for bucket in self._buckets(tensors):
                 flat = torch.cat([tensors[i].reshape(-1) for i in bucket])
                 dist.broadcast(flat, src=root)
@@ -341,6 +344,6 @@ class TorchEngine(Backend):
         if not self.distributed:
             return value
         holder = [value if self.worker_index == root else None]
-        with self.guarded("broadcast_object"):
+        with LEDGER.collective("broadcast_object"), self.guarded("broadcast_object"):
             dist.broadcast_object_list(holder, src=root)
         return holder[0]

@@ -44,6 +44,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from keras_mwms.diagnostics import LEDGER
+
 if TYPE_CHECKING:
     from keras_mwms.backends.torch.engine import TorchEngine
 
@@ -200,7 +202,9 @@ class OverlappedGradients:
             self._launch(self.launched)
         summed: list[torch.Tensor | None] = [None] * len(self.parameters)
         extras: list[torch.Tensor | None] = [None] * len(self.extra_tensors)
-        with self.backend.guarded("gradient all-reduce"):
+        nbytes = sum(flat.numel() * flat.element_size() for flat in self.flats if flat is not None)
+        with LEDGER.collective("gradient all-reduce (overlapped buckets)", nbytes), \
+                self.backend.guarded("gradient all-reduce"):
             for number, bucket in enumerate(self.buckets):
                 self.works[number].wait()
                 flat, offset = self.flats[number], 0

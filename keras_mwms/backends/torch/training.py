@@ -28,6 +28,7 @@ from keras_mwms.backends import policy
 from keras_mwms.backends.torch import gradients, metrics
 from keras_mwms.backends.torch.overlap import OverlappedGradients
 from keras_mwms.backends.torch.state import STATE, model_of
+from keras_mwms.diagnostics import LEDGER
 
 if TYPE_CHECKING:
     from keras_mwms.backends.torch.engine import TorchEngine
@@ -192,6 +193,10 @@ def _distributed_train_function(model, backend: TorchEngine, train_function):
     overlap = backend.distributed and overlap_enabled(model, backend)
 
     def distributed_train_function(data):
+        with LEDGER.train_step():
+            return train_on(data)
+
+    def train_on(data):
         batch = data[0]
         rows = step_rows(batch)
         backend.step_rows = rows

@@ -1,0 +1,118 @@
+"""Hang and straggler scenarios for the hang report and the straggler table (every backend).
+
+    python hang_scenario.py OUT_DIR --fault data|desync|sigstop|none [options] --marker UNIQUE
+
+Every worker trains a small MLP on a `keras.utils.PyDataset` of global batches: a warm-up
+`fit` of one epoch (compiles, traces, first collectives), then the faulty part on worker
+`--worker` (default 1):
+
+* `data`: its PyDataset sleeps `--sleep` seconds making batch `--at-batch` of the second fit;
+* `desync`: it runs one extra `model.train_on_batch` between the two fits;
+* `sigstop`: it stops itself (SIGSTOP) at batch `--at-batch` of the second fit;
+* `none`: no fault; `--delay D` makes worker `--worker`'s PyDataset sleep D seconds per batch
+  (a straggler), `--epochs` epochs in the second fit.
+
+The faulting worker writes `OUT/fault.json` (worker, kind, wall-clock time). A worker whose
+second fit returns writes `OUT/w<index>.json` with `completed: true` and its epoch reports.
+`--marker` only tags the command line (orphan checks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+GLOBAL_BATCH = 32
+
+
+def parse_arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--fault", choices=("data", "desync", "sigstop", "none"), required=True)
+    parser.add_argument("--worker", type=int, default=1)
+    parser.add_argument("--at-batch", type=int, default=3)
+    parser.add_argument("--sleep", type=float, default=30.0)
+    parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--batches", type=int, default=8)
+    parser.add_argument("--marker", default="")
+    return parser.parse_args()
+
+
+def record_fault(out: str, index: int, kind: str) -> None:
+    with open(os.path.join(out, "fault.json"), "w") as handle:
+        json.dump({"worker": index, "kind": kind, "time": time.time()}, handle)
+    print(f"FAULT {kind} on worker {index} at {time.time():.3f}", flush=True)
+
+
+def main() -> None:
+    arguments = parse_arguments()
+    os.makedirs(arguments.out, exist_ok=True)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import common
+    import keras
+    import numpy as np
+
+    import keras_mwms
+
+    index = common.worker_index()
+    faulty = index == arguments.worker
+    strategy = keras_mwms.MultiWorkerMirroredStrategy()
+    x, y = common.regression_data(GLOBAL_BATCH * arguments.batches)
+
+    class Batches(keras.utils.PyDataset):
+        """Global batches of (x, y); the faulty worker's copy sleeps where the scenario says."""
+
+        def __init__(self):
+            super().__init__()
+            self.armed = False
+
+        def __len__(self):
+            return arguments.batches
+
+        def __getitem__(self, item):
+            if self.armed and faulty:
+                if arguments.fault == "data" and item == arguments.at_batch:
+                    self.armed = False
+                    record_fault(arguments.out, index, "data")
+                    time.sleep(arguments.sleep)
+                if arguments.delay:
+                    time.sleep(arguments.delay)
+            rows = slice(item * GLOBAL_BATCH, (item + 1) * GLOBAL_BATCH)
+            return x[rows], y[rows]
+
+    class StopAt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if arguments.fault == "sigstop" and faulty and batch == arguments.at_batch:
+                record_fault(arguments.out, index, "sigstop")
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+    with strategy.scope():
+        model = common.mlp()
+        model.compile(optimizer="sgd", loss="mse")
+    data = Batches()
+    model.fit(data, epochs=1, verbose=0, shuffle=False)
+    common.log("warm-up fit done")
+    if arguments.fault == "desync" and faulty:
+        record_fault(arguments.out, index, "desync")
+        model.train_on_batch(x[:GLOBAL_BATCH], y[:GLOBAL_BATCH])
+    data.armed = True
+    reports = []
+
+    class Reports(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            straggler = getattr(keras_mwms.diagnostics, "straggler", None)
+            report = straggler.last_epoch_report() if straggler else None
+            if report is not None:
+                reports.append(report)
+
+    model.fit(data, epochs=arguments.epochs, verbose=0, shuffle=False, callbacks=[StopAt(), Reports()])
+    common.save_result(arguments.out, index, completed=True, epoch_reports=reports)
+
+
+if __name__ == "__main__":
+    main()
