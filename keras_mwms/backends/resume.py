@@ -8,7 +8,9 @@ the batches of the steps already done, and numbering continues at that step.
 
 Batches are pulled, not skipped by index, so every input kind (arrays, tf.data, PyDataset,
 generators) and every worker advances identically — the data position maps to global steps,
-which is what makes restoring with a different number of workers correct.
+which is what makes restoring with a different number of workers correct. An input that
+starts at the saved position itself (`keras_mwms.resumable_inputs`' ordered stream) skips the
+numbering only (`pull=False`): nothing is read just to be discarded.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from keras_mwms.backends.patches import Patch, PatchTable
 _pending = threading.local()
 
 
-def skip_steps_in_next_training_epoch(steps: int) -> None:
+def skip_steps_in_next_training_epoch(steps: int, pull: bool = True) -> None:
     """Registers `steps` already-trained steps to skip at the start of the next training epoch.
+
+    `pull=False`: the input already starts after them; only the step numbers skip ahead.
 
     Example:
 
@@ -32,20 +36,21 @@ def skip_steps_in_next_training_epoch(steps: int) -> None:
     if steps:
         PATCHES.install()
     _pending.steps = steps
+    _pending.pull = pull
 
 
-def _take_pending() -> int:
-    steps = getattr(_pending, "steps", 0)
-    _pending.steps = 0
-    return steps
+def _take_pending() -> tuple[int, bool]:
+    steps, pull = getattr(_pending, "steps", 0), getattr(_pending, "pull", True)
+    _pending.steps, _pending.pull = 0, True
+    return steps, pull
 
 
 def _skipping_enumerate_iterator(original):
     def _enumerate_iterator(self, *args, **kwargs):
-        skip = _take_pending()
+        skip, pull = _take_pending()
         for begin_step, end_step, iterator in original(self, *args, **kwargs):
             if begin_step < skip:
-                for _ in range(self.steps_per_execution):
+                for _ in range(self.steps_per_execution if pull else 0):
                     next(iterator)
                 continue
             yield begin_step, end_step, iterator

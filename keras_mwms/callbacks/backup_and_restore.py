@@ -11,7 +11,7 @@ import warnings
 
 import keras
 
-from keras_mwms import backup_files, io
+from keras_mwms import backup_files, io, resumable_inputs
 from keras_mwms.backends import resume
 from keras_mwms.callbacks import coordination
 
@@ -49,8 +49,22 @@ class BackupAndRestore(keras.callbacks.Callback):
       shared file system works too, but is not required). The saved state is the model's
       variables (weights, non-trainable statistics, random-seed state), the optimizer's
       variables, and the epoch and step.
+    * **The same order, from the same example.** With `shuffle=True` on arrays or a
+      `keras.utils.PyDataset`, or a torch `DataLoader` that shuffles, the order of every
+      epoch is keras_mwms' own while this callback is in `fit`: a pure function of a job seed
+      (drawn by the chief from NumPy's global state, so `keras.utils.set_random_seed` fixes
+      it) and the epoch, the same on every worker and for any worker count (see
+      `keras_mwms.resumable_inputs`). The backup stores the seed, the epoch and the global
+      step, and a restarted job reads on from the next global batch: its final weights are
+      the uninterrupted run's, bit for bit. A tf.data pipeline that reshuffles every epoch
+      (or shuffles unseeded) keeps its order inside TensorFlow's iterator: a restart then
+      says once that the resumed epoch is approximate, and why. Unshuffled inputs skip the
+      trained steps' batches.
     * **Any worker count.** Weights are mirrored, and the data position is counted in global
-      steps (global batches), so a job may be resumed with a different number of workers.
+      steps (global batches), so a job may be resumed with a different number of workers:
+      the global batch stays the same (each worker's share changes), and so do the optimizer
+      state and the learning-rate schedule's step. A changed global batch is your choice;
+      the restore says in one line where the epoch resumes then.
     * **Deleted once.** At the end of a successful `fit`, after every worker has finished, the
       chief deletes the backup (`delete_checkpoint=True`).
 
@@ -84,6 +98,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     `python -m keras_mwms.launch` forwarding Ctrl-C/SIGTERM). During `fit` this callback turns
     it into a backup at the next check and a clean, non-zero exit of every worker.
     """
+
+    # Shuffled inputs of a fit with this callback take keras_mwms' resumable order.
+    keras_mwms_resumable_order = True
 
     def __init__(self, backup_dir: str, save_freq="epoch", double_checkpoint: bool = False,
                  delete_checkpoint: bool = True, preemption_check_steps: int | None = 10):
@@ -137,12 +154,25 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._assign_state(metadata, arrays)
         self._epoch = metadata["epoch"]
         self.model._initial_epoch = metadata["epoch"]
-        resume.skip_steps_in_next_training_epoch(metadata["step"])
+        step, pull, note = resumable_inputs.resume(self.model, metadata.get("data_order"),
+                                                   metadata["epoch"], metadata["step"])
+        resume.skip_steps_in_next_training_epoch(step, pull=pull)
         self._restored_from = metadata
-        if coordination.is_chief():
-            print(f"BackupAndRestore: resuming from {self.backup_dir} at epoch "
-                  f"{metadata['epoch'] + 1}, step {metadata['step']} (saved by "
-                  f"{metadata['num_workers']} worker(s))", flush=True)
+        if not coordination.is_chief():
+            return
+        workers = coordination.num_workers()
+        print(f"BackupAndRestore: resuming from {self.backup_dir} at epoch "
+              f"{metadata['epoch'] + 1}, step {metadata['step']} (saved by "
+              f"{metadata['num_workers']} worker(s))", flush=True)
+        if metadata["num_workers"] != workers:
+            batch = metadata.get("global_batch_rows")
+            print(f"BackupAndRestore: the backup was written by {metadata['num_workers']} "
+                  f"worker(s), this job has {workers}: the same global batch"
+                  + (f" of {batch} rows" if batch else "")
+                  + ", each worker now takes its 1/" + f"{workers} share of it.", flush=True)
+        if note:
+            warnings.warn(note, stacklevel=2)
+            print(note, file=sys.stderr, flush=True)
 
     def _read_backup(self):
         """Chief: `(metadata, arrays)`, None if there is no backup, or an error message."""
@@ -272,6 +302,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             "epoch": epoch,
             "step": step,
             "num_workers": coordination.num_workers(),
+            **self._data_order_state(epoch, step),
             "backend": keras.backend.backend(),
             "saved_at": time.time(),
             "paths": [variable.path for variable in variables],
@@ -287,6 +318,14 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"{epoch + 1}, step {step}: {error}. The previous backup (if any) is intact. "
                 "Check that the chief can create and write this directory and has free space."
             ) from error
+
+    def _data_order_state(self, epoch: int, step: int) -> dict:
+        fit_input = resumable_inputs.active_for(self.model)
+        if fit_input is None or fit_input.stream is None:
+            return {}
+        stream = fit_input.stream
+        return {"data_order": stream.order.state(epoch, step),
+                "global_batch_rows": stream.global_batch_rows}
 
     def on_train_end(self, logs=None):
         self._stop_watching()

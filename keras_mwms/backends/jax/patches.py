@@ -52,7 +52,7 @@ import inspect
 
 import numpy as np
 
-from keras_mwms import active
+from keras_mwms import active, resumable_inputs
 from keras_mwms.backends import policy
 from keras_mwms.backends.jax import data, flat
 from keras_mwms.backends.patches import Patch, PatchTable
@@ -163,6 +163,8 @@ def _fit_global_batches(model, backend, values, call):
     backend.check_tf_config_unchanged(stacklevel=3)
     digest = None if data.shard_policy_is_off(x) else first_batch_digest(x)
     policy.check_same_rows(backend, x, "model.fit()", digest=digest)
+    resumable_inputs.prepare_fit(backend, model, values)
+    x, y, sample_weight = values["x"], values["y"], values["sample_weight"]
     validation_data = values["validation_data"]
     if values["validation_split"] and validation_data is None:
         (x, y, sample_weight), validation_data = array_slicing.train_validation_split(

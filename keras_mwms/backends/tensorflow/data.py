@@ -7,6 +7,12 @@ silently stops halfway. `distribute_unsharded_dataset` distributes the dataset w
 step count, after checking that every worker runs the same number of steps (else their
 collectives would pair wrongly or hang).
 
+**Resumable ordered streams** (`keras_mwms.resumable_inputs`) are fed as a tf.data pipeline
+whose element `i` is the stream's item `i`, read by a `tf.py_function` (`stream_dataset`), not
+through Keras' `PyDataset` adapter: that adapter's `from_generator` keeps each epoch's position
+in a Python generator, and with several workers TF's prefetching iterators lost batches of it
+(README "Known gaps"); a pure function of the element index cannot.
+
 **A batch for the model's symbolic build.** Keras pulls one from the epoch iterator, which
 consumes batches of a Python generator and advances shuffles; `batch_without_iterating` gives
 one with the same shapes and dtypes without touching the data.
@@ -156,3 +162,39 @@ def zeros_like_spec(spec: Any) -> Any:
     batch = tf.nest.map_structure(
         lambda leaf: tf.zeros([1 if size is None else size for size in leaf.shape], leaf.dtype), spec)
     return batch if isinstance(batch, tuple) else (batch,)
+
+
+def stream_dataset(stream: Any) -> Any:
+    """An ordered stream as an endless tf.data pipeline: element `i` is `stream[i]`.
+
+    Each element is read by a `tf.py_function` of its index alone, so whatever TF's iterators
+    prefetch or repeat, element `i` is always the same global batch. Every worker reads every
+    element and keeps its slice (AutoShardPolicy.DATA).
+
+    Example:
+
+    >>> import numpy as np
+    >>> dataset = stream_dataset([(np.ones((2, 3), "float32"), np.zeros(2, "int64"))] * 3)
+    >>> [tuple(leaf.shape) for leaf in next(iter(dataset))]
+    [(2, 3), (2,)]
+    """
+    import tensorflow as tf
+
+    sample = stream[0]
+    leaves = [np.asarray(leaf) for leaf in tf.nest.flatten(sample)]
+    dtypes = [tf.as_dtype(leaf.dtype) for leaf in leaves]
+    shapes = [[None, *leaf.shape[1:]] for leaf in leaves]
+
+    def read(index):
+        return [np.asarray(leaf) for leaf in tf.nest.flatten(stream[int(index)])]
+
+    def load(index):
+        tensors = tf.py_function(read, [index], dtypes)
+        for tensor, shape in zip(tensors, shapes):
+            tensor.set_shape(shape)
+        return tf.nest.pack_sequence_as(sample, tensors)
+
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    options.deterministic = True
+    return tf.data.Dataset.range(2**62).map(load).with_options(options)

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from keras_mwms import resumable_inputs
 from keras_mwms.backends import policy
 from keras_mwms.backends.patches import ObjectState
 from keras_mwms.backends.tensorflow import data
@@ -99,6 +100,8 @@ def _prepare_call(backend: Any, model: Any, method: str, bound: inspect.BoundArg
     if method == "fit" and arguments.get("shuffle", True) and not isinstance(x, tf.data.Dataset):
         # Also on one worker, so that N workers and one process draw the same permutation.
         align_shuffle_seed(backend)
+    if method == "fit" and backend.num_workers == 1:
+        _resumable_order(backend, model, arguments)
     if backend.num_workers == 1:
         return
     unsharded = data.shard_policy_is_off(x)
@@ -106,6 +109,8 @@ def _prepare_call(backend: Any, model: Any, method: str, bound: inspect.BoundArg
         # AutoShardPolicy.OFF: each worker's dataset is its own data, different by design.
         digest = first_batch_digest(x) if method == "fit" and not unsharded else None
         policy.check_same_rows(backend, x, f"model.{method}()", digest=digest)
+    if method == "fit":
+        _resumable_order(backend, model, arguments)
     if method == "fit" and inspect.isgenerator(x):
         warnings.warn(
             "keras_mwms (TensorFlow): model.fit() on a Python generator with several workers "
@@ -123,6 +128,15 @@ def _prepare_call(backend: Any, model: Any, method: str, bound: inspect.BoundArg
             "a value for placeholder tensor'. Compile with steps_per_execution=1.")
     if unsharded and method != "predict":
         arguments["x"] = data.distribute_unsharded_dataset(backend, x, f"model.{method}()")
+
+
+def _resumable_order(backend: Any, model: Any, arguments: dict) -> None:
+    """A shuffled input of a resumable fit becomes keras_mwms' ordered stream, fed as tf.data
+    (`data.stream_dataset`)."""
+    resumable_inputs.prepare_fit(backend, model, arguments)
+    fit_input = resumable_inputs.active_for(model)
+    if fit_input is not None and fit_input.stream is not None:
+        arguments["x"] = data.stream_dataset(fit_input.stream)
 
 
 def _compile_without_xla(model: Any) -> None:

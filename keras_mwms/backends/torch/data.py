@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from keras_mwms import resumable_inputs
 from keras_mwms.backends import policy
 from keras_mwms.data import AutoShardPolicy, first_batch_digest, replica_slices, worker_row_indices
 
@@ -330,10 +331,12 @@ def _shard_arrays_or_data(backend, x, y, sample_weight, batch_size, shuffle):
     return shard_global_batches(x, backend, aligned=True)
 
 
-def shard_fit_inputs(backend: TorchEngine, fit: Callable, args: tuple, kwargs: dict) -> dict:
+def shard_fit_inputs(backend: TorchEngine, fit: Callable, args: tuple, kwargs: dict,
+                     model: Any = None) -> dict:
     """`fit(self, *args, **kwargs)`'s arguments with every input replaced by this worker's shard.
 
-    `fit` is Keras' own `fit` (its signature names the arguments).
+    `fit` is Keras' own `fit` (its signature names the arguments). A shuffled input of a
+    resumable fit first becomes keras_mwms' ordered stream (`keras_mwms.resumable_inputs`).
     """
     from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
 
@@ -353,6 +356,8 @@ def shard_fit_inputs(backend: TorchEngine, fit: Callable, args: tuple, kwargs: d
     # The digest reads the dataset's shuffle seeds or first batch: only where it is compared.
     compare = backend.distributed and not _sharding_off(x)
     policy.check_same_rows(backend, x, "model.fit()", digest=first_batch_digest(x) if compare else None)
+    resumable_inputs.prepare_fit(backend, model, values)
+    x, y, sample_weight = values["x"], values["y"], values["sample_weight"]
     if _is_arrays(x, y, sample_weight):
         x, y, sample_weight = _to_numpy((x, y, sample_weight))
         if values["class_weight"] is not None:
@@ -381,7 +386,8 @@ def shard_fit_inputs(backend: TorchEngine, fit: Callable, args: tuple, kwargs: d
     return values
 
 
-def shard_evaluate_inputs(backend: TorchEngine, evaluate: Callable, args: tuple, kwargs: dict) -> dict:
+def shard_evaluate_inputs(backend: TorchEngine, evaluate: Callable, args: tuple, kwargs: dict,
+                          model: Any = None) -> dict:
     """`evaluate`'s arguments with the data replaced by this worker's shard (no shuffling).
 
     `evaluate` is Keras' own `evaluate` (its signature names the arguments).

@@ -72,7 +72,7 @@ def _sharded(shard_inputs: Callable, check_tf_config: bool = False) -> Callable:
             if check_tf_config:
                 backend.check_tf_config_unchanged(stacklevel=2)
             return original(self, **_quiet_unless_chief(
-                backend, shard_inputs(backend, original, args, kwargs)))
+                backend, shard_inputs(backend, original, args, kwargs, model=self)))
 
         return run_on_shard
 
