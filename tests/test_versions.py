@@ -40,10 +40,10 @@ def all_tables() -> list[PatchTable]:
     from keras_mwms.backends.tensorflow.gradients import RowWeighting
     from keras_mwms.backends.tensorflow.patches import patch_table
     from keras_mwms.backends.torch.patches import TABLE as torch_table
-    from keras_mwms.diagnostics import data_wait
+    from keras_mwms.diagnostics.patches import PATCHES as diagnostics_table
 
     tensorflow_table = patch_table(types.SimpleNamespace(strategy=object(), row_weighting=RowWeighting(None)))
-    return [resume.PATCHES, data_wait.PATCHES, tensorflow_table, jax_table, torch_table]
+    return [resume.PATCHES, diagnostics_table, tensorflow_table, jax_table, torch_table]
 
 
 @pytest.fixture

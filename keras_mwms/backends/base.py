@@ -30,7 +30,7 @@ from keras_mwms.backends import policy
 from keras_mwms.backends.patches import PatchTable
 from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver
 from keras_mwms.communication import CommunicationOptions
-from keras_mwms.diagnostics import data_wait
+from keras_mwms.diagnostics import patches as diagnostics_patches
 
 REDUCE_OPS = ("sum", "min", "max")
 
@@ -100,7 +100,7 @@ class Backend(abc.ABC):
     def start_diagnostics(self) -> None:
         """Times the input pipeline and starts the hang watchdog (`keras_mwms.diagnostics`)."""
         if self.num_workers > 1 and diagnostics.LEDGER.enabled:
-            data_wait.PATCHES.install()
+            diagnostics_patches.PATCHES.install()
             diagnostics.start(self, [policy.worker_label(self.resolver, rank)
                                      for rank in range(self.num_workers)])
 
@@ -109,7 +109,7 @@ class Backend(abc.ABC):
         if self._patches is not None:
             self._patches.uninstall()
         diagnostics.stop()
-        data_wait.PATCHES.uninstall()
+        diagnostics_patches.PATCHES.uninstall()
 
     def close(self) -> None:
         """Uninstalls the patches and leaves the engine; safe to call twice."""

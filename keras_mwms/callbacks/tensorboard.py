@@ -29,6 +29,10 @@ class TensorBoard(keras.callbacks.TensorBoard):
     model.fit(x, y, epochs=5, callbacks=[keras_mwms.callbacks.TensorBoard("/shared/logs")])
     ```
 
+    With several workers the chief also writes, per epoch, each worker's seconds waiting for
+    data, computing and waiting in collectives (`keras_mwms/worker_<i>/..._seconds`) and which
+    worker is the straggler (`keras_mwms.diagnostics.straggler`).
+
     Args:
         log_dir: where the chief writes the event files. Other arguments are Keras'.
     """
@@ -52,6 +56,24 @@ class TensorBoard(keras.callbacks.TensorBoard):
             atexit.register(self._remove_scratch_dir_at_exit)
             self.log_dir = self._scratch_dir
         super().set_model(model)
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)
+        self._write_worker_times(epoch)
+
+    def _write_worker_times(self, epoch):
+        """The chief's straggler report as scalars: `worker_<i>/{data,compute,collective}_seconds`."""
+        from keras_mwms.diagnostics import straggler
+
+        report = straggler.last_epoch_report()
+        if self._scratch_dir is not None or report is None or report["epoch"] != epoch:
+            return
+        with self._train_writer.as_default():
+            for worker, times in sorted(report["times"].items()):
+                for key in ("data", "compute", "collective"):
+                    self.summary.scalar(f"keras_mwms/worker_{worker}/{key}_seconds", times[key], step=epoch)
+                self.summary.scalar(f"keras_mwms/worker_{worker}/straggler",
+                                    float(worker in report["stragglers"]), step=epoch)
 
     def on_train_end(self, logs=None):
         super().on_train_end(logs)

@@ -2,7 +2,7 @@
 
 Keras turns a `PyDataset` into batches through `PyDatasetAdapter._get_iterator` on every
 backend (torch and JAX iterate it on the main thread; TensorFlow's `from_generator` on a
-thread of its own, ahead of the step). The row below wraps that iterator so each `next()` is a
+thread of its own, ahead of the step). `PATCH` wraps that iterator so each `next()` is a
 `Ledger.data(batch)` interval: the hang report sees "making batch 5 for 30 s", and the
 straggler table counts seconds spent waiting for data. keras_mwms feeds numpy arrays to the
 torch backend through a `PyDataset` as well; other inputs (tf.data, generators) are not timed.
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from keras_mwms.backends.patches import Patch, PatchTable
+from keras_mwms.backends.patches import Patch
 from keras_mwms.diagnostics.ledger import LEDGER, Ledger
 
 
@@ -45,10 +45,10 @@ def _timed_get_iterator(original: Callable) -> Callable:
     return _get_iterator
 
 
-PATCHES = PatchTable("diagnostics", [Patch(
+PATCH = Patch(
     name="ledger-data-wait",
     target="keras.src.trainers.data_adapters.py_dataset_adapter:PyDatasetAdapter._get_iterator",
     replacement=_timed_get_iterator,
     works_around="Keras has no hook around making a batch: the hang report and the straggler "
                  "table need the time each worker waits for its input pipeline",
-)])
+)

@@ -36,6 +36,7 @@ True
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
@@ -119,6 +120,7 @@ class Watchdog:
         self._wake_write: socket.socket | None = None
         self._previous_wakeup_fd: int | None = None
         self._previous_excepthook = sys.excepthook
+        self._epochs: dict[int, dict[int, dict]] = {}   # epoch number -> worker -> times (chief)
 
     # -- life cycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -126,12 +128,15 @@ class Watchdog:
         self._arm_sigusr1()
         self._previous_excepthook = sys.excepthook
         sys.excepthook = self._excepthook
+        atexit.register(self.send_progress)   # the launcher's time table gets the final totals
         self._thread = threading.Thread(target=self._run, name="keras_mwms-hang-watchdog", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
         """Stops the thread and releases the socket and SIGUSR1; safe to call twice."""
         self._stop.set()
+        atexit.unregister(self.send_progress)
+        self.send_progress()
         if sys.excepthook == self._excepthook:
             sys.excepthook = self._previous_excepthook
         if self._thread is not None and self._thread is not threading.current_thread():
@@ -207,9 +212,24 @@ class Watchdog:
             self._decide_and_end(note=" (decided by this worker: no verdict arrived)")
         if self.launcher is not None and now >= self._progress_at:
             self._progress_at = now + PROGRESS_SECONDS
+            self.send_progress()
+
+    def send_progress(self) -> None:
+        """Tells the launcher (if any) this worker's train steps, collectives and time totals."""
+        if self.launcher is not None:
             self.channel.send({"type": "progress", "worker": self.index, "step": self.ledger.step,
-                               "sequence": self.ledger.sequence, "totals": self.ledger.totals},
+                               "sequence": self.ledger.sequence, "totals": dict(self.ledger.totals)},
                               self.launcher)
+
+    # -- epoch times (`keras_mwms.diagnostics.straggler`) -------------------------------------
+    def send_to(self, worker: int, message: dict) -> None:
+        """Sends one message to worker `worker` over the side channel."""
+        self.channel.send(message, self.peers[worker])
+
+    def epoch_times(self, number: int) -> dict[int, dict]:
+        """The epoch times the other workers sent for epoch report `number` so far."""
+        with self._lock:
+            return dict(self._epochs.get(number, {}))
 
     # -- a report round ---------------------------------------------------------------------
     def _everyone(self, message: dict) -> None:
@@ -247,6 +267,9 @@ class Watchdog:
             if self._collect_until is None and self._verdict_until is None:
                 self._begin("a peer reported", time.monotonic(), asked=False)
             self._reports[message["worker"]] = message
+        elif kind == "epoch" and isinstance(message.get("worker"), int):
+            with self._lock:
+                self._epochs.setdefault(message.get("number"), {})[message["worker"]] = message.get("times", {})
         elif kind == "verdict":
             if message.get("final"):
                 self._end(None, message.get("text", ""), message.get("reporter"))

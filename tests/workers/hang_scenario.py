@@ -13,7 +13,8 @@ Every worker trains a small MLP on a `keras.utils.PyDataset` of global batches: 
   (a straggler), `--epochs` epochs in the second fit.
 
 The faulting worker writes `OUT/fault.json` (worker, kind, wall-clock time). A worker whose
-second fit returns writes `OUT/w<index>.json` with `completed: true` and its epoch reports.
+second fit returns writes `OUT/w<index>.json` with `completed: true` and the chief's straggler
+reports of that fit (`--tensorboard DIR` adds `keras_mwms.callbacks.TensorBoard`).
 `--marker` only tags the command line (orphan checks).
 """
 
@@ -39,6 +40,7 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--batches", type=int, default=8)
+    parser.add_argument("--tensorboard", default=None, help="log directory of our TensorBoard")
     parser.add_argument("--marker", default="")
     return parser.parse_args()
 
@@ -55,9 +57,9 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import common
     import keras
-    import numpy as np
 
     import keras_mwms
+    from keras_mwms.diagnostics import straggler
 
     index = common.worker_index()
     faulty = index == arguments.worker
@@ -105,12 +107,14 @@ def main() -> None:
 
     class Reports(keras.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):
-            straggler = getattr(keras_mwms.diagnostics, "straggler", None)
-            report = straggler.last_epoch_report() if straggler else None
-            if report is not None:
+            report = straggler.last_epoch_report()
+            if report is not None and report["epoch"] == epoch:
                 reports.append(report)
 
-    model.fit(data, epochs=arguments.epochs, verbose=0, shuffle=False, callbacks=[StopAt(), Reports()])
+    callbacks = [StopAt(), Reports()]
+    if arguments.tensorboard:
+        callbacks.append(keras_mwms.callbacks.TensorBoard(arguments.tensorboard))
+    model.fit(data, epochs=arguments.epochs, verbose=0, shuffle=False, callbacks=callbacks)
     common.save_result(arguments.out, index, completed=True, epoch_reports=reports)
 
 
