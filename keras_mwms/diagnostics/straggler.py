@@ -37,7 +37,7 @@ from keras_mwms.backends.patches import Patch
 from keras_mwms.diagnostics.ledger import LEDGER
 
 RELATIVE_THRESHOLD = 0.2
-ABSOLUTE_THRESHOLD_SECONDS = 0.002
+ABSOLUTE_THRESHOLD_SECONDS = 0.005
 GATHER_SECONDS = 2.0
 KEYS = ("data", "compute", "collective", "steps")
 

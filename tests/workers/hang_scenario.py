@@ -9,8 +9,8 @@ Every worker trains a small MLP on a `keras.utils.PyDataset` of global batches: 
 * `data`: its PyDataset sleeps `--sleep` seconds making batch `--at-batch` of the second fit;
 * `desync`: it runs one extra `model.train_on_batch` between the two fits;
 * `sigstop`: it stops itself (SIGSTOP) at batch `--at-batch` of the second fit;
-* `none`: no fault; `--delay D` makes worker `--worker`'s PyDataset sleep D seconds per batch
-  (a straggler), `--epochs` epochs in the second fit.
+* `none`: a fit of `--epochs` epochs as it is, then one where `--delay D` makes worker
+  `--worker`'s PyDataset sleep D seconds per batch (a straggler).
 
 The faulting worker writes `OUT/fault.json` (worker, kind, wall-clock time). A worker whose
 second fit returns writes `OUT/w<index>.json` with `completed: true` and the chief's straggler
@@ -102,16 +102,24 @@ def main() -> None:
     if arguments.fault == "desync" and faulty:
         record_fault(arguments.out, index, "desync")
         model.train_on_batch(x[:GLOBAL_BATCH], y[:GLOBAL_BATCH])
-    data.armed = True
     reports = []
 
     class Reports(keras.callbacks.Callback):
+        """Keeps the chief's straggler report of every epoch of the fit it is given to."""
+
+        def __init__(self, fit):
+            super().__init__()
+            self.fit = fit
+
         def on_epoch_end(self, epoch, logs=None):
             report = straggler.last_epoch_report()
             if report is not None and report["epoch"] == epoch:
-                reports.append(report)
+                reports.append({"fit": self.fit, **report})
 
-    callbacks = [StopAt(), Reports()]
+    if arguments.fault == "none":   # the straggler case: a fit without the delay first
+        model.fit(data, epochs=arguments.epochs, verbose=0, shuffle=False, callbacks=[Reports("plain")])
+    data.armed = True
+    callbacks = [StopAt(), Reports("delayed" if arguments.delay else "plain")]
     if arguments.tensorboard:
         callbacks.append(keras_mwms.callbacks.TensorBoard(arguments.tensorboard))
     model.fit(data, epochs=arguments.epochs, verbose=0, shuffle=False, callbacks=callbacks)

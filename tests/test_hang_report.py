@@ -1,0 +1,301 @@
+"""Hang reports (issue 21): the ledger, the verdict rules, and real gangs on every backend.
+
+The gang cases run `tests/workers/hang_scenario.py` through the real launcher
+(`python -m keras_mwms.launch`, `tests.multiworker.run_launcher`) with a 3 s hang threshold
+(`KERAS_MWMS_HANG_REPORT_SECONDS=3`): worker 1 (a) sleeps 30 s making batch 3 of its input,
+(b) runs one extra `train_on_batch` (a desync), (c) is SIGSTOPped at batch 3. Each gang must
+end non-zero within threshold + 15 s of the fault, the chief's verdict must name worker 1 and
+the kind (and the batch for (a)), and the launcher must print the same verdict, line for line.
+The nine gangs run three at a time (they mostly wait); their times go to a table printed at
+the end (`pytest -s`). Nothing here imports keras or a backend in the pytest process.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pytest
+
+from keras_mwms.diagnostics import verdict as verdicts
+from keras_mwms.diagnostics.channel import Channel, decode, encode
+from keras_mwms.diagnostics.ledger import Ledger, counted_in_graph
+from keras_mwms.diagnostics.watchdog import Watchdog
+from keras_mwms.launch import find_free_ports
+from tests.multiworker import REPO, WORKERS_DIR, run_launcher, worker_env
+
+BACKENDS = ("tensorflow", "jax", "torch")
+FAULTS = ("data", "desync", "sigstop")
+THRESHOLD = 3
+BOUND = THRESHOLD + 15
+AT_BATCH = 3
+GANG_TIMEOUT = 240
+TABLE: list[dict] = []
+
+
+# -- the ledger and the verdict, without processes -------------------------------------------
+def test_the_ledger_numbers_collectives_once_each_and_keeps_the_last_ones():
+    ledger = Ledger(capacity=3)
+    for _ in range(5):
+        with ledger.train_step():
+            with ledger.collective("gradient all-reduce", 64):
+                with ledger.collective("inner bucket", 8):   # nested: the same collective
+                    pass
+    entries = ledger.last_entries()
+    assert [entry.sequence for entry in entries] == [3, 4, 5]
+    assert {entry.kind for entry in entries} == {"gradient all-reduce"}
+    assert ledger.step == 5 and ledger.totals["steps"] == 5
+
+
+def test_the_ledger_times_data_compute_and_collectives_apart():
+    ledger = Ledger()
+
+    def fit():
+        with ledger.data(0):
+            time.sleep(0.05)
+        with ledger.train_step(caller=1):
+            time.sleep(0.02)
+            with ledger.collective("gradient all-reduce"):
+                time.sleep(0.04)
+
+    fit()
+    assert ledger.call == "fit"
+    assert 0.045 <= ledger.totals["data"] < 0.2
+    assert 0.035 <= ledger.totals["collective"] < 0.2
+    assert 0.015 <= ledger.totals["compute"] < 0.035 + 0.05
+
+
+def test_an_in_graph_step_is_one_entry_and_is_wrapped_once():
+    ledger = Ledger()
+    step = counted_in_graph(lambda: None, ledger)
+    assert counted_in_graph(step, ledger) is step
+
+    def train_on_batch():
+        step()
+
+    train_on_batch()
+    assert [(entry.kind, entry.step) for entry in ledger.last_entries()] == [
+        ("train step (in-graph collectives)", 1)]
+    assert ledger.call == "train_on_batch"
+
+
+def test_a_disabled_ledger_records_nothing():
+    ledger = Ledger(enabled=False)
+    with ledger.train_step(), ledger.collective("x"):
+        pass
+    assert (ledger.sequence, ledger.step, ledger.last_entries()) == (0, 0, [])
+
+
+def _report(worker, sequence, step, kind="gradient all-reduce", waiting=True, call="fit", data=None):
+    current = {"sequence": sequence, "kind": kind, "nbytes": 8, "step": step, "seconds": 4.0}
+    return {"worker": worker, "threshold": 3.0, "call": call, "stack": ["  File x, line 1\n"],
+            "ledger": {"sequence": sequence, "step": step, "phase": "all-reduce" if waiting else "callback",
+                       "data": data, "in_collective": current if waiting else None,
+                       "entries": [[sequence, kind, 8, step, "all-reduce", 0.1]]}}
+
+
+def test_verdict_rules():
+    assert verdicts.decide({0: _report(0, 5, 2), 1: _report(1, 5, 2)}, 2) is None
+    missing = verdicts.decide({0: _report(0, 5, 2)}, 3)
+    assert (missing.kind, missing.workers) == ("no answer", [1, 2])
+    data = verdicts.decide({0: _report(0, 5, 2), 1: _report(1, 4, 1, waiting=False, data={
+        "batch": 7, "seconds": 9.0, "main_thread": True})}, 2)
+    assert (data.kind, data.workers) == ("data wait", [1]) and "making batch 7 of this epoch" in data.text
+    behind = verdicts.decide({0: _report(0, 5, 2), 1: _report(1, 4, 2, waiting=False)}, 2)
+    assert (behind.kind, behind.workers) == ("behind", [1])
+    more_steps = verdicts.decide({0: _report(0, 5, 2), 1: _report(1, 9, 3)}, 2)
+    assert (more_steps.kind, more_steps.workers) == ("desync", [1]) and "1 train step(s) more" in more_steps.text
+    call = verdicts.decide({0: _report(0, 5, 2), 1: _report(1, 4, 2, call="train_on_batch")}, 2)
+    assert (call.kind, call.workers) == ("desync", [1]) and "model.train_on_batch" in call.text
+    three = verdicts.decide({0: _report(0, 5, 2), 1: _report(1, 5, 2), 2: _report(2, 6, 2)}, 3)
+    assert (three.kind, three.workers) == ("desync", [2])
+    # After failed collectives (`settled`): where each worker was last, not whether it waits.
+    settled = verdicts.decide({0: _report(0, 5, 2, waiting=False),
+                               1: _report(1, 6, 3, waiting=False, call="train_on_batch")}, 2, settled=True)
+    assert (settled.kind, settled.workers) == ("desync", [1])
+
+
+def test_datagrams_carry_reports_and_cut_stacks_to_fit():
+    report = _report(0, 1, 1)
+    report["stack"] = ["x" * 5000] * 200
+    data = encode(report)
+    assert len(data) <= 60000 and decode(data)["worker"] == 0
+    sender, receiver = Channel("127.0.0.1", 0), Channel("127.0.0.1", 0)
+    try:
+        assert sender.send({"type": "ping"}, receiver.address)
+        assert receiver.receive(timeout=2.0) == [{"type": "ping"}]
+    finally:
+        sender.close()
+        receiver.close()
+
+
+class _Ending(Watchdog):
+    """A watchdog that records how it would end instead of ending the process."""
+
+    def _end(self, verdict, text, reporter):
+        self.ended = (verdict.kind if verdict else None, text, reporter)
+        self._collect_until = self._verdict_until = None
+
+
+def test_two_watchdogs_and_a_launcher_agree_on_one_verdict():
+    """In-process: worker 1 waits in a collective, worker 0 is busy elsewhere; the launcher
+    asks after no progress; worker 0 decides, worker 1 and the launcher print its verdict."""
+    from keras_mwms.diagnostics.collector import HangCollector
+
+    addresses = [f"127.0.0.1:{port}" for port in find_free_ports(2)]
+    log = io.StringIO()
+    collector = HangCollector(addresses, no_progress_seconds=1.0, log=log)
+    ledgers = [Ledger(), Ledger()]
+    dogs = [_Ending(index, addresses, threshold=60, ledger=ledgers[index], launcher=collector.address,
+                    output=io.StringIO()) for index in (0, 1)]
+    collective = ledgers[1].collective("gradient all-reduce", 64)
+    collective.__enter__()
+    deadline = time.monotonic() + 20
+    try:
+        while time.monotonic() < deadline and not all(hasattr(dog, "ended") for dog in dogs):
+            for dog in dogs:
+                if not hasattr(dog, "ended"):
+                    dog.tick()
+            for message in collector.channel.receive(0):
+                collector.on_message(message)
+            collector.tick(time.monotonic())
+            time.sleep(0.05)
+        for message in collector.channel.receive(0.5):
+            collector.on_message(message)
+    finally:
+        for dog in dogs:
+            dog.close()
+        collector.close()
+    assert all(hasattr(dog, "ended") for dog in dogs), log.getvalue()
+    kind, text, reporter = dogs[0].ended
+    assert (kind, reporter) == ("behind", 0) and text.startswith("keras_mwms hang verdict: behind: worker 0")
+    assert dogs[1].ended[1:] == (text, 0)
+    assert log.getvalue() == "".join(f"[launcher] {line}\n" for line in text.splitlines())
+
+
+def test_sigusr1_reports_while_the_main_thread_sleeps_in_c():
+    """SIGUSR1 reaches the watchdog through the wake-up fd although the main thread never
+    returns to Python; with nothing waiting in a collective the report says so and nobody exits."""
+    port = find_free_ports(1)[0]
+    script = textwrap.dedent(f"""
+        import sys, time
+        from keras_mwms.diagnostics.ledger import Ledger
+        from keras_mwms.diagnostics.watchdog import Watchdog
+        dog = Watchdog(0, ["127.0.0.1:{port}"], threshold=60, ledger=Ledger())
+        dog.start()
+        print("ready", flush=True)
+        time.sleep(8)   # one C call: Python-level signal handlers cannot run meanwhile
+        print("slept", flush=True)
+    """)
+    process = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        started = time.monotonic()
+        process.send_signal(signal.SIGUSR1)
+        output, _ = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == 0, output
+    assert "keras_mwms hang report (SIGUSR1): no hang found" in output
+    assert output.index("keras_mwms hang report") < output.index("slept"), output
+    assert time.monotonic() - started < 15
+
+
+# -- real gangs -------------------------------------------------------------------------------
+@dataclass
+class Run:
+    backend: str
+    fault: str
+    out: str
+    code: int
+    output: str
+    log: str
+    ended: float
+    orphans: str
+
+    def fault_time(self) -> float:
+        with open(os.path.join(self.out, "fault.json")) as handle:
+            return json.load(handle)["time"]
+
+    def verdict(self, prefix: str, text: str) -> list[str]:
+        """The verdict block (headline and its indented lines) printed under `prefix`."""
+        lines = [line[len(prefix):] for line in text.splitlines() if line.startswith(prefix)]
+        starts = [i for i, line in enumerate(lines) if line.startswith(verdicts.HEADLINE)]
+        assert len(starts) == 1, self.describe()
+        block = [lines[starts[0]]]
+        for line in lines[starts[0] + 1:]:
+            if not line.startswith("  "):
+                break
+            block.append(line)
+        return block
+
+    def describe(self) -> str:
+        return (f"[{self.backend} {self.fault}] exit {self.code}\n--- launcher\n{self.log[-5000:]}\n"
+                f"--- workers\n{self.output[-8000:]}\norphans: {self.orphans}")
+
+
+def _run(backend: str, fault: str, out: str) -> Run:
+    marker = f"kmwms-hang-{uuid.uuid4().hex[:12]}"
+    os.makedirs(out, exist_ok=True)
+    env = worker_env(backend, KERAS_MWMS_HANG_REPORT_SECONDS=str(THRESHOLD))
+    result = run_launcher(["--workers", "2", "--grace-period", "3"],
+                          [str(WORKERS_DIR / "hang_scenario.py"), out, "--fault", fault, "--at-batch",
+                           str(AT_BATCH), "--sleep", str(10 * THRESHOLD), "--marker", marker],
+                          timeout=GANG_TIMEOUT, env=env)
+    ended = time.time()
+    orphans = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout.strip()
+    return Run(backend, fault, out, result.returncode, result.output, result.launcher_log, ended, orphans)
+
+
+@pytest.fixture(scope="module")
+def hang_runs(tmp_path_factory):
+    """All nine gangs, three at a time, keyed (backend, fault)."""
+    jobs = [(backend, fault) for fault in FAULTS for backend in BACKENDS]
+    outs = {job: str(tmp_path_factory.mktemp(f"hang_{job[0]}_{job[1]}")) for job in jobs}
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = {job: pool.submit(_run, *job, outs[job]) for job in jobs}
+        runs = {job: future.result() for job, future in futures.items()}
+    yield runs
+    print(f"\nhang report times (threshold {THRESHOLD} s, bound {BOUND} s from the fault to the launcher's exit):")
+    for row in TABLE:
+        print(f"  {row['backend']:<11} {row['fault']:<8} {row['seconds']:>5} s  exit {row['code']}  {row['headline']}")
+
+
+HEADLINES = {
+    "data": f"data wait: worker 1 is behind, waiting for data: its input pipeline has been making batch {AT_BATCH} of this epoch",
+    "desync": "desync: the workers wait in different collectives; worker 1 is out of step: worker 1 is in model.train_on_batch",
+    "sigstop": "no answer: worker 1 did not answer the hang report",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.tensorflow
+@pytest.mark.jax
+@pytest.mark.torch
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_gang_ends_with_one_verdict_naming_the_stuck_worker(hang_runs, backend, fault):
+    run = hang_runs[(backend, fault)]
+    chief = run.verdict("[worker 0] ", run.output)
+    launcher = run.verdict("[launcher] ", run.log)
+    seconds = round(run.ended - run.fault_time(), 1)
+    TABLE.append({"backend": backend, "fault": fault, "seconds": seconds, "code": run.code,
+                  "headline": chief[0][:100]})
+    assert run.code != 0, run.describe()
+    assert chief[0].startswith(f"{verdicts.HEADLINE} {HEADLINES[fault]}"), run.describe()
+    assert chief == launcher, run.describe()
+    if fault == "data":
+        assert "time.sleep" in "\n".join(chief), run.describe()   # worker 1's stack, at the sleep
+    assert seconds <= BOUND, run.describe()
+    assert not run.orphans, run.describe()
