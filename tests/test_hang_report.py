@@ -112,6 +112,9 @@ def test_verdict_rules():
     assert (data.kind, data.workers) == ("data wait", [1]) and "making batch 7 of this epoch" in data.text
     behind = verdicts.decide({0: _report(0, 5, 2), 1: _report(1, 4, 2, waiting=False)}, 2)
     assert (behind.kind, behind.workers) == ("behind", [1])
+    computing = _report(1, 4, 2, waiting=False)
+    computing["ledger"]["phase"] = "forward-backward"   # e.g. compiling its first step
+    assert verdicts.decide({0: _report(0, 5, 2), 1: computing}, 2) is None
     more_steps = verdicts.decide({0: _report(0, 5, 2), 1: _report(1, 9, 3)}, 2)
     assert (more_steps.kind, more_steps.workers) == ("desync", [1]) and "1 train step(s) more" in more_steps.text
     call = verdicts.decide({0: _report(0, 5, 2), 1: _report(1, 4, 2, call="train_on_batch")}, 2)

@@ -8,7 +8,8 @@ the chief (or the launcher, when no worker could) prints the result. The rules, 
 2. **data wait** — a worker's input pipeline has been making one batch for a long time
    (at least half the hang threshold): that worker is behind, at that batch.
 3. **behind** — a worker is not inside a collective while its peers are (user code, a
-   callback, a computation on one worker only).
+   callback, a computation on one worker only). A worker still computing inside its train
+   step (a long first compile) is not named: no verdict yet; the engine's timeout still holds.
 4. **desync** — every worker is inside a collective, but not the same one: different train
    steps or different sequence numbers or kinds at one number. The odd worker is the
    minority; between two, the one that ran more train steps (or issued more collectives):
@@ -35,6 +36,7 @@ import collections
 from dataclasses import dataclass
 
 HEADLINE = "keras_mwms hang verdict:"
+COMPUTING = ("forward-backward", "apply")
 STACK_LINES = 40
 
 
@@ -178,6 +180,8 @@ def decide(reports: dict[int, dict], num_workers: int, settled: bool = False) ->
     outside = sorted(worker for worker, report in reports.items() if not report["ledger"].get("in_collective"))
     if settled:
         outside = []   # after a failed collective: compare where each worker was last
+    if any(reports[worker]["ledger"]["phase"] in COMPUTING for worker in outside):
+        return None    # still computing its step (a long first compile, a big batch): not yet a hang
     if outside and len(outside) < len(reports):
         names = ", ".join(f"worker {worker}" for worker in outside)
         first = reports[outside[0]]["ledger"]
