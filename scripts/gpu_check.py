@@ -211,7 +211,7 @@ def worker_argv(mode: str, implementation: str, prefix: Path) -> list[str]:
 
 def launch_argv(workers: int, gpus_per_worker: str, implementation: str, prefix: Path) -> list[str]:
     return [sys.executable, "-m", "keras_mwms.launch", "--workers", str(workers), "--grace-period", "5",
-            "--gpus-per-worker", gpus_per_worker, *worker_argv("strategy", implementation, prefix)[1:]]
+            "--gpus-per-worker", gpus_per_worker, *worker_argv("strategy", implementation, prefix)[2:]]
 
 
 def _results(prefix: Path, workers: int) -> list[dict]:
@@ -250,7 +250,7 @@ def check_backend(backend: str, runner: Runner, gpus: list[tuple[str, str]], cpu
     env = {"KERAS_BACKEND": backend}
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = gpus[0][0]
-    placement = "skipped (no GPU, --allow-cpu)" if cpu_mode else None
+    placement = "not checked: no GPU, --allow-cpu" if cpu_mode else None
     checks = []
 
     # 1. one worker vs one process.
@@ -369,8 +369,8 @@ def write_report(out: Path, checks: list[Check], machine: list[str], cpu_mode: b
              *machine, "",
              "| backend | check | expected | result | figures |", "|---|---|---|---|---|"]
     for check in checks:
-        figures = check.figures.replace("|", "\\|").replace("\n", " ")
-        lines.append(f"| {check.backend} | {check.name} | {check.expected} | **{check.result}** | {figures} |")
+        expected, figures = (text.replace("|", "\\|").replace("\n", " ") for text in (check.expected, check.figures))
+        lines.append(f"| {check.backend} | {check.name} | {expected} | **{check.result}** | {figures} |")
     lines += ["", "Model: Dense 64→256→256→10 (ReLU), SGD(0.05, momentum 0.9), 4096 rows, global batch "
               "256, 2 epochs (32 steps), no shuffle; JAX at full float32 matmul precision.", ""]
     for check in checks:

@@ -175,7 +175,7 @@ def test_when_workers_must_not_share_a_gpu(backend, requested, gpus):
     if gpus == 0:
         assert reason is None
     elif backend == "jax":
-        assert "JAX runs collectives between GPUs with NCCL" in reason and requested.name in reason
+        assert "JAX runs collectives between GPUs with NCCL" in reason and f"Implementation.{requested.name};" in reason
     elif requested is Impl.RING:
         assert reason is None
     else:

@@ -352,8 +352,9 @@ def exclusive_gpus_reason(backend: str, requested: Any, gpu_count: int) -> str |
     fix = ("NCCL cannot run two ranks on one GPU (it would fail later with 'Duplicate GPU "
            f"detected'). Give each worker its own GPU: {SET_A_LOCAL_RANK}")
     if backend == "jax":
-        return ("JAX runs collectives between GPUs with NCCL whatever CommunicationImplementation "
-                f"asks for ({requested.name}; RING means gloo, for CPU arrays only): " + fix + ".")
+        return (f"JAX runs collectives between GPUs with NCCL whatever is asked (here "
+                f"CommunicationImplementation.{requested.name}; RING selects gloo for CPU arrays "
+                "only): " + fix + ".")
     chosen = choose_implementation(requested, gpu_count, backend, "ring", nccl_usable=True)
     if chosen is not CommunicationImplementation.NCCL:
         return None
