@@ -9,6 +9,10 @@ so the gang lives and dies together:
   `--grace-period` seconds) and the gang's exit code is that worker's;
 * with `--max-restarts K` a failed gang is started again, up to K times, on fresh ports,
   saying why; a script with `keras_mwms.callbacks.BackupAndRestore` resumes where it stopped;
+* with `--min-workers M`, once the same worker has failed `--shrink-after` times in a row (a
+  lost machine), the gang restarts with one worker fewer, down to M, saying why; the backup
+  restores on any worker count with the same global batch (each restart still counts against
+  `--max-restarts`);
 * SIGINT/SIGTERM sent to the launcher are forwarded to every worker; whatever is still running
   `--grace-period` seconds later is SIGKILLed, and a second signal SIGKILLs it at once. Then
   the launcher exits with 128 + the signal's number. The escalation is not optional: a
@@ -273,15 +277,26 @@ class Launcher:
         grace_period: seconds between SIGTERM and SIGKILL.
         log: where the launcher's own messages go (stderr by default).
         worker_env: variables added to one worker's environment, by worker index (its GPUs).
+        min_workers: the fewest workers a gang may shrink to (None: never shrink).
+        shrink_after: failures in a row of one worker after which the gang loses a worker.
     """
 
     def __init__(self, command: Sequence[str], workers: int, max_restarts: int = 0,
                  host: str = "localhost", port_base: int | None = None,
                  grace_period: float = DEFAULT_GRACE_PERIOD_SECONDS, log=None, output=None,
                  worker_env: dict[int, dict[str, str]] | None = None,
-                 no_progress_seconds: float | None = DEFAULT_NO_PROGRESS_SECONDS):
+                 no_progress_seconds: float | None = DEFAULT_NO_PROGRESS_SECONDS,
+                 min_workers: int | None = None, shrink_after: int = 2):
         if max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
+        if min_workers is not None and not 1 <= min_workers <= workers:
+            raise ValueError(f"--min-workers must be between 1 and --workers ({workers}), got "
+                             f"{min_workers}")
+        if shrink_after < 1:
+            raise ValueError(f"--shrink-after must be >= 1, got {shrink_after}")
+        self.min_workers = min_workers
+        self.shrink_after = shrink_after
+        self._failures_in_a_row: tuple[int | None, int] = (None, 0)   # (worker, count)
         self.command = list(command)
         self.workers = workers
         self.max_restarts = max_restarts
@@ -388,7 +403,8 @@ class Launcher:
                 return 0
             reason = f"worker {index} failed with {describe_exit(code)} after {elapsed:.1f} s"
             if attempt < self.max_restarts:
-                self._say(f"{reason}; stopped the others; restarting the gang "
+                shrunk = self._shrink_after_failure(index)
+                self._say(f"{reason}; stopped the others; restarting the gang{shrunk} "
                           f"(restart {attempt + 1} of {self.max_restarts})")
                 continue
             budget = f" and {self.max_restarts} restart(s) were used" if self.max_restarts else ""
@@ -396,6 +412,20 @@ class Launcher:
             return exit_code_of(code)
         raise AssertionError("unreachable")
 
+
+    def _shrink_after_failure(self, index: int | None) -> str:
+        """Drops one worker when worker `index` failed `shrink_after` times in a row (and the
+        gang is above `min_workers`); returns the reason to print, or ''."""
+        worker, count = self._failures_in_a_row
+        count = count + 1 if index == worker else 1
+        self._failures_in_a_row = (index, count)
+        if self.min_workers is None or count < self.shrink_after or self.workers <= self.min_workers:
+            return ""
+        self._failures_in_a_row = (None, 0)
+        self.workers -= 1
+        return (f" with one worker fewer ({self.workers + 1} -> {self.workers}, --min-workers "
+                f"{self.min_workers}): worker {index} failed {count} times in a row, as a lost "
+                "machine does")
 
     def _hang_collector(self):
         """Listens for the gang's progress, hang reports and verdict (`keras_mwms.diagnostics`)."""
@@ -433,6 +463,11 @@ def build_parser(prog: str = "python -m keras_mwms.launch") -> argparse.Argument
         epilog="Example: %(prog)s --workers 2 --max-restarts 3 train.py --epochs 5",
     )
     parser.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
+    parser.add_argument("--min-workers", type=int, default=None, metavar="M",
+                        help="after one worker fails --shrink-after times in a row, restart the "
+                             "gang with one worker fewer, down to M (default: never shrink)")
+    parser.add_argument("--shrink-after", type=int, default=2, metavar="K",
+                        help="failures in a row of one worker that shrink the gang (default 2)")
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="restart the whole gang up to this many times after a failure")
     parser.add_argument("--host", default="localhost", help="host name in TF_CONFIG addresses")
@@ -512,6 +547,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m keras_mwms.la
         parser.error(f"--workers must be at least 1, got {arguments.workers}")
     if arguments.max_restarts < 0:
         parser.error(f"--max-restarts must be >= 0, got {arguments.max_restarts}")
+    if arguments.min_workers is not None and not 1 <= arguments.min_workers <= arguments.workers:
+        parser.error(f"--min-workers must be between 1 and --workers ({arguments.workers}), got "
+                     f"{arguments.min_workers}")
+    if arguments.shrink_after < 1:
+        parser.error(f"--shrink-after must be >= 1, got {arguments.shrink_after}")
     if arguments.port_base is not None and not 1 <= arguments.port_base <= 65535 - arguments.workers:
         parser.error(f"--port-base {arguments.port_base} leaves no room for "
                      f"{arguments.workers} ports below 65536")
@@ -522,7 +562,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m keras_mwms.la
         parser.error(str(error))
     launcher = Launcher(command, arguments.workers, arguments.max_restarts, arguments.host,
                         arguments.port_base, arguments.grace_period, worker_env=worker_env,
-                        no_progress_seconds=arguments.no_progress_seconds or None)
+                        no_progress_seconds=arguments.no_progress_seconds or None,
+                        min_workers=arguments.min_workers, shrink_after=arguments.shrink_after)
     return launcher.run()
 
 

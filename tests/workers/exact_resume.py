@@ -27,7 +27,7 @@ import sys
 
 import common
 
-ROWS, GLOBAL_BATCH, EPOCHS, SAVE_FREQ, SEED = int(os.environ.get("ER_ROWS", 60)), 8, 2, 3, 21
+ROWS, GLOBAL_BATCH, EPOCHS, SAVE_FREQ, SEED = 60, 8, 2, 3, 21
 STEPS_PER_EPOCH = -(-ROWS // GLOBAL_BATCH)
 
 parser = argparse.ArgumentParser()
@@ -102,7 +102,9 @@ for job in json.loads(arguments.plan):
     keras.utils.set_random_seed(SEED)
     with strategy.scope():
         model = common.mlp(hidden=16)
-        model.compile(optimizer=keras.optimizers.SGD(0.05) if os.environ.get("ER_SGD") else keras.optimizers.Adam(1e-2), loss="mse")
+        # A learning-rate schedule: a restored job must continue at the optimizer's step.
+        schedule = keras.optimizers.schedules.ExponentialDecay(1e-2, decay_steps=4, decay_rate=0.7)
+        model.compile(optimizer=keras.optimizers.Adam(schedule), loss="mse")
     callbacks = [keras_mwms.callbacks.BackupAndRestore(os.path.join(directory, "backup"),
                                                        save_freq=SAVE_FREQ),
                  ExampleLedger(os.path.join(directory, "ledger")),
@@ -111,7 +113,8 @@ for job in json.loads(arguments.plan):
               verbose=0)
     np.savez(os.path.join(directory, f"w{index}.npz"), *model.get_weights())
     with open(os.path.join(directory, f"done.w{index}"), "w") as handle:
-        handle.write(json.dumps({"workers": workers,
-                                 "attempt": os.environ.get("KERAS_MWMS_ATTEMPT")}))
+        handle.write(json.dumps({"workers": workers, "attempt": os.environ.get("KERAS_MWMS_ATTEMPT"),
+                                 "iterations": int(keras.ops.convert_to_numpy(
+                                     model.optimizer.iterations.value))}))
     common.log(f"job {job['name']} done on {workers} workers")
 common.log("done")
