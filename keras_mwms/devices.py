@@ -146,6 +146,20 @@ def visible_gpu_identities(environ=None) -> list[str]:
     return identities
 
 
+# The CUDA/ROCm plugins of jaxlib releases (jax[cuda12], jax[cuda13], ROCm), either layout.
+JAX_GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin",
+                   "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13", "jax_plugins.xla_rocm7")
+
+
+def _module_exists(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):   # a missing parent package
+        return False
+
+
 def jax_gpu_count_before_start(environ=None) -> int:
     """GPUs a JAX worker will see, judged without starting JAX (that must wait for `jax.distributed`).
 
@@ -157,16 +171,13 @@ def jax_gpu_count_before_start(environ=None) -> int:
     >>> jax_gpu_count_before_start({"JAX_PLATFORMS": "cpu"})
     0
     """
-    import importlib.util
-
     environ = os.environ if environ is None else environ
     platforms = environ.get("JAX_PLATFORMS", "")
     if platforms and not any(name in platforms for name in ("cuda", "gpu", "rocm")):
         return 0
     if environ.get("CUDA_VISIBLE_DEVICES") is not None and not visible_gpu_names(environ):
         return 0
-    if not any(importlib.util.find_spec(name) is not None
-               for name in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin")):
+    if not any(_module_exists(name) for name in JAX_GPU_PLUGINS):
         return 0
     return max(1, len(visible_gpu_names(environ)))
 
