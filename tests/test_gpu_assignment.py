@@ -381,3 +381,21 @@ def test_gpu_check_unpacks_only_the_wheels_this_python_lacks(tmp_path, monkeypat
     assert (tmp_path / "site" / "keras_mwms_absent" / "__init__.py").exists()
     assert not (tmp_path / "site" / "numpy").exists(), "numpy is present: its wheel stays packed"
     assert not gpu_check._wheel_fits(wheels / "numpy-9.9-cp30-cp30-manylinux_2_28_x86_64.whl")
+
+
+def test_launcher_gives_each_real_worker_its_gpus(tmp_path):
+    """The CLI end to end (real processes, a host whose CUDA_VISIBLE_DEVICES names four GPUs)."""
+    from tests.multiworker import run_launcher
+
+    script = tmp_path / "show.py"
+    script.write_text("import os\nprint('SEES', os.environ['KERAS_MWMS_LOCAL_RANK'], os.environ['CUDA_VISIBLE_DEVICES'],"
+                      " os.environ['KERAS_MWMS_GPUS_PER_WORKER'])\n")
+    env = {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "KERAS_BACKEND": "jax"}
+    result = run_launcher(["--workers", "2", "--gpus-per-worker", "2"], [str(script)], timeout=60, env=env)
+    assert result.returncode == 0, result.launcher_log
+    assert sorted(line.split("SEES ", 1)[1] for line in result.output.splitlines() if "SEES" in line) == \
+        ["0 4,5 2", "1 6,7 2"]
+    assert "CUDA_VISIBLE_DEVICES worker 0: 4,5; worker 1: 6,7" in result.launcher_log
+    refused = run_launcher(["--workers", "3"], [str(script)], timeout=60, env={**env, "KERAS_BACKEND": "torch",
+                                                                              "CUDA_VISIBLE_DEVICES": "0,1"})
+    assert refused.returncode == 2 and "--workers 3 on a host with 2 GPU(s) (0, 1)" in refused.launcher_log
