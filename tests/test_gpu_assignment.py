@@ -399,3 +399,57 @@ def test_launcher_gives_each_real_worker_its_gpus(tmp_path):
     refused = run_launcher(["--workers", "3"], [str(script)], timeout=60, env={**env, "KERAS_BACKEND": "torch",
                                                                               "CUDA_VISIBLE_DEVICES": "0,1"})
     assert refused.returncode == 2 and "--workers 3 on a host with 2 GPU(s) (0, 1)" in refused.launcher_log
+
+
+# -- the backends take the assignment (faked GPUs; each backend in its own process) ---------------
+
+_TF_WIRING = """
+from tensorflow.python.distribute.collective_all_reduce_strategy import CollectiveAllReduceExtended
+from keras_mwms.backends.tensorflow.engine import tf_cluster_resolver
+from keras_mwms.cluster import SimpleClusterResolver
+resolver = SimpleClusterResolver({"worker": ["h0:1", "h1:1"]}, "worker", 1)
+for gpus in (0, 2):
+    # TF's strategy takes its local replicas from the resolver, whatever devices exist.
+    local, kind = CollectiveAllReduceExtended._initialize_local_devices(
+        None, tf_cluster_resolver(resolver, gpus), "/job:worker/task:1")
+    print("TF", gpus, kind, len(local))
+"""
+
+_JAX_WIRING = """
+from unittest import mock
+import jax
+from jax._src import xla_bridge
+from keras_mwms.backends.jax import engine
+from keras_mwms.cluster import SimpleClusterResolver
+from keras_mwms.communication import CommunicationOptions
+from keras_mwms.gpu_assignment import assign_gpus
+resolver = SimpleClusterResolver({"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "worker", 1)
+with mock.patch("keras_mwms.devices.gpu_assignment", return_value=assign_gpus("jax", 4, 2, {"LOCAL_RANK": "1"})):
+    backend = engine.JaxBackend(resolver, CommunicationOptions())
+with mock.patch.object(jax.distributed, "initialize") as initialize, \\
+        mock.patch.object(xla_bridge, "backends_are_initialized", return_value=False):
+    engine.initialize_distributed(backend)
+print("JAX", backend.engine_description(), initialize.call_args.kwargs["local_device_ids"])
+"""
+
+
+@pytest.mark.tensorflow
+def test_tensorflow_workers_get_their_gpus_as_local_replicas():
+    """Without `num_accelerators` TF's strategy puts a GPU worker's replica on its CPU."""
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-c", _TF_WIRING], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, **worker_env("tensorflow")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [line for line in result.stdout.splitlines() if line.startswith("TF")] == ["TF 0 CPU 1", "TF 2 GPU 2"]
+
+
+@pytest.mark.jax
+def test_jax_workers_start_on_their_gpus():
+    """`jax.distributed.initialize` gets this worker's GPU (LOCAL_RANK=1 of 4): local_device_ids=[1]."""
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-c", _JAX_WIRING], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, **worker_env("jax")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "JAX nccl [1]" in result.stdout.splitlines(), result.stdout
