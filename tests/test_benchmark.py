@@ -57,6 +57,9 @@ def test_command_line_presets_and_overrides():
     assert quick.quick and quick.backends == ("torch", "jax") and quick.sizes == config.QUICK_SIZES
     full = command.config_from_arguments(parser.parse_args(["allreduce", "--sizes", "4096,8192"]), parser)
     assert full.sections == ("allreduce",) and full.sizes == (4096, 8192) and full.models == ("mlp", "conv")
+    assert not full.ledger_comparison
+    ledger = command.config_from_arguments(parser.parse_args(["fit", "--no-ledger"]), parser)
+    assert ledger.ledger_comparison and config.BenchmarkConfig.from_json(ledger.to_json()) == ledger
 
 
 @pytest.mark.parametrize("arguments, message", [

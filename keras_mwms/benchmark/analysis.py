@@ -30,6 +30,7 @@ from keras_mwms.benchmark.allreduce import summarize
 from keras_mwms.benchmark.peers import PEERS
 
 OURS = "keras_mwms"
+NO_LEDGER = "keras_mwms no-ledger"
 
 
 def _ok_gangs(gangs: Sequence[dict]) -> list[dict]:
@@ -144,6 +145,30 @@ def ratio_rows(fits: Sequence[dict]) -> list[dict]:
                 "keras_mwms_first_step_seconds": ours.get("first_step_seconds"),
                 "peer_first_step_seconds": theirs.get("first_step_seconds"),
             })
+    return rows
+
+
+def ledger_rows(fits: Sequence[dict]) -> list[dict]:
+    """steps/s with the collective ledger on (keras_mwms) and off, per backend, model, workers.
+
+    Example:
+
+    >>> fits = [{"backend": "jax", "model": "mlp", "workers": 2, "variant": variant,
+    ...          "global_batch": 64, "steps_per_second": speed}
+    ...         for variant, speed in (("keras_mwms", 49.0), ("keras_mwms no-ledger", 50.0))]
+    >>> [(row["model"], row["slower_percent"]) for row in ledger_rows(fits)]
+    [('mlp', 2.0)]
+    """
+    index = _index(fits)
+    rows = []
+    for (backend, model, workers, variant, batch), on in sorted(index.items()):
+        off = index.get((backend, model, workers, NO_LEDGER, batch))
+        if variant != OURS or off is None:
+            continue
+        rows.append({"backend": backend, "model": model, "workers": workers, "global_batch": batch,
+                     "ledger_on_steps_per_second": on["steps_per_second"],
+                     "ledger_off_steps_per_second": off["steps_per_second"],
+                     "slower_percent": round(100.0 * (1 - on["steps_per_second"] / off["steps_per_second"]), 2)})
     return rows
 
 

@@ -56,6 +56,10 @@ def build_parser(prog: str = "python -m keras_mwms.benchmark") -> argparse.Argum
     parser.add_argument("--warmup-steps", type=int, default=None, help="untimed first steps (default 20; quick 8)")
     parser.add_argument("--repeats", type=int, default=None, help="fits per variant, best counts (default 2; quick 1)")
     parser.add_argument("--sizes", type=_sizes, default=None, help="all-reduce sizes in bytes, comma-separated")
+    parser.add_argument("--no-ledger", action="store_const", const=True, default=None,
+                        dest="ledger_comparison",
+                        help="also fit keras_mwms with the collective ledger off, in the same gangs, "
+                             "and report the ledger's overhead (steps/s on vs off)")
     parser.add_argument("--timeout", type=float, default=None, dest="gang_timeout",
                         help="seconds one gang may run (default 900; quick 300)")
     return parser

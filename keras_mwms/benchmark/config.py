@@ -47,6 +47,9 @@ class BenchmarkConfig:
             worker's share of the global batch (their sync-overhead baseline); quick: the
             first peer only.
         gang_timeout: seconds one gang of workers may run before it is killed.
+        ledger_comparison: with N workers, also fit keras_mwms with the collective ledger and
+            its timers off (`keras_mwms.diagnostics`; variant `"keras_mwms no-ledger"`), in
+            the same gang, interleaved repeat by repeat (`--no-ledger`).
     """
 
     backends: tuple[str, ...] = BACKENDS
@@ -68,6 +71,7 @@ class BenchmarkConfig:
     repeats: int = 2
     share_peers: int = 2
     gang_timeout: float = 900.0
+    ledger_comparison: bool = False
     quick: bool = False
 
     def to_json(self) -> str:

@@ -36,7 +36,11 @@ def timed_keras_fit(keras_module, variant: str, model_name: str, repeat: int, co
                                 config.warmup_steps, config.global_batch)
 
 
-def keras_mwms_fit(strategy, config: BenchmarkConfig, model_name: str, repeat: int, x, y) -> FitTiming:
+NO_LEDGER = "keras_mwms no-ledger"
+
+
+def keras_mwms_fit(strategy, config: BenchmarkConfig, model_name: str, repeat: int, x, y,
+                   variant: str = "keras_mwms") -> FitTiming:
     """`model.fit` of the global arrays through `strategy` (a keras_mwms strategy), timed."""
     import keras
 
@@ -48,6 +52,18 @@ def keras_mwms_fit(strategy, config: BenchmarkConfig, model_name: str, repeat: i
         model.fit(x, y, batch_size=config.global_batch, epochs=1, shuffle=False, verbose=0,
                   callbacks=callbacks)
 
-    timing = timed_keras_fit(keras, "keras_mwms", model_name, repeat, config, build, fit)
-    strategy.barrier(f"keras_mwms fit {model_name} {repeat} done")
+    timing = timed_keras_fit(keras, variant, model_name, repeat, config, build, fit)
+    strategy.barrier(f"{variant} fit {model_name} {repeat} done")
     return timing
+
+
+def keras_mwms_fit_without_ledger(strategy, config: BenchmarkConfig, model_name: str, repeat: int,
+                                  x, y) -> FitTiming:
+    """`keras_mwms_fit` with the collective ledger and its timers off (every worker alike)."""
+    from keras_mwms.diagnostics import LEDGER
+
+    LEDGER.enabled = False
+    try:
+        return keras_mwms_fit(strategy, config, model_name, repeat, x, y, variant=NO_LEDGER)
+    finally:
+        LEDGER.enabled = True

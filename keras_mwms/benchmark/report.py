@@ -97,6 +97,15 @@ def ratios_text(rows: Sequence[dict]) -> str:
             "1-process ratio on the same global batch):\n" + format_table(headers, body))
 
 
+def ledger_text(rows: Sequence[dict]) -> str:
+    headers = ["backend", "model", "workers", "batch", "ledger on steps/s", "ledger off steps/s", "slower"]
+    body = [[row["backend"], row["model"], row["workers"], row["global_batch"],
+             row["ledger_on_steps_per_second"], row["ledger_off_steps_per_second"],
+             f"{row['slower_percent']:.1f}%"] for row in rows]
+    return ("collective ledger and timers (keras_mwms.diagnostics) on vs off, same gang, interleaved "
+            "(best of the repeats):\n" + format_table(headers, body))
+
+
 def overhead_text(rows: Sequence[dict]) -> str:
     headers = ["backend", "model", "variant", "step ms share", "step ms N", "sync overhead ms",
                "gradients", "all-reduce ms", "overhead/all-reduce"]

@@ -196,6 +196,7 @@ def run(config: BenchmarkConfig, out_dir: Path) -> dict:
         "fits": fits,
         "ratios": analysis.ratio_rows(fits),
         "overhead": analysis.overhead_rows(fits, allreduce, config.workers),
+        "ledger": analysis.ledger_rows(fits),
         "gangs": [{key: value for key, value in gang.items() if key != "results"} for gang in gangs],
         "definitions": analysis.__doc__,
         "link_probe": bandwidth.__doc__,
@@ -238,6 +239,8 @@ def render(result: dict) -> str:
         parts.append(report.overhead_text(result["overhead"]))
     if result["ratios"]:
         parts.append(report.ratios_text(result["ratios"]))
+    if result.get("ledger"):
+        parts.append(report.ledger_text(result["ledger"]))
     for gang in result["gangs"]:
         if not gang["ok"]:
             parts.append(f"FAILED gang {gang['name']}: {gang['error']}\n  " + "\n  ".join(gang.get("log_tail", [])))

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from keras_mwms.benchmark import peers
 from keras_mwms.benchmark.config import BenchmarkConfig
-from keras_mwms.benchmark.fit import keras_mwms_fit
+from keras_mwms.benchmark.fit import keras_mwms_fit, keras_mwms_fit_without_ledger
 from keras_mwms.benchmark.models import parameter_count, synthetic_data
 from keras_mwms.benchmark.timing import seconds_since_launch
 from keras_mwms.devices import threads_per_worker
@@ -124,7 +124,12 @@ def run_keras_mwms_role(config: BenchmarkConfig, backend_name: str, result: dict
             x, y = synthetic_data(batch_config, model_name)
             for repeat in range(config.repeats):
                 arguments = (batch_config, model_name, repeat, x, y)
-                runs.add(keras_mwms_fit, strategy, *arguments)
+                ours = [keras_mwms_fit]
+                if config.ledger_comparison and workers > 1:
+                    # Ledger on and off take turns going first: no order bias between them.
+                    ours = [keras_mwms_fit, keras_mwms_fit_without_ledger][::1 if repeat % 2 == 0 else -1]
+                for function in ours:
+                    runs.add(function, strategy, *arguments)
                 peer_count = config.share_peers if batch_config is not config else len(peers.PEERS[backend_name])
                 if backend_name == "jax":
                     runs.add(peers.jax_data_parallel_fit, strategy, *arguments)
