@@ -5,6 +5,10 @@ The model: a *gang* is N worker processes of one script, each with its own `TF_C
 so the gang lives and dies together:
 
 * every output line of worker i is prefixed with `[worker i]`;
+* the workers report hangs and progress to the launcher over UDP
+  (`KERAS_MWMS_DIAGNOSTICS_ADDRESS`): it prints the hang verdict, asks every worker for a hang
+  report when none made progress for `--no-progress-seconds`, and prints where each worker's
+  time went (data, compute, collectives) at the end of a run (`keras_mwms.diagnostics`);
 * when a worker exits non-zero, the others are stopped (SIGTERM, then SIGKILL after
   `--grace-period` seconds) and the gang's exit code is that worker's;
 * with `--max-restarts K` a failed gang is started again, up to K times, on fresh ports,
