@@ -119,6 +119,7 @@ class Watchdog:
         self._wake_read: socket.socket | None = None
         self._wake_write: socket.socket | None = None
         self._previous_wakeup_fd: int | None = None
+        self._previous_sigusr1 = signal.SIG_DFL
         self._previous_excepthook = sys.excepthook
         self._epochs: dict[int, dict[int, dict]] = {}   # epoch number -> worker -> times (chief)
 
@@ -143,6 +144,7 @@ class Watchdog:
             self._thread.join(timeout=2)
         if self._previous_wakeup_fd is not None and threading.current_thread() is threading.main_thread():
             signal.set_wakeup_fd(self._previous_wakeup_fd)
+            signal.signal(signal.SIGUSR1, self._previous_sigusr1)
             self._previous_wakeup_fd = None
         for sock in (self._wake_read, self._wake_write):
             if sock is not None:
@@ -163,7 +165,7 @@ class Watchdog:
             signal.set_wakeup_fd(previous)
             return
         self._previous_wakeup_fd = previous
-        signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+        self._previous_sigusr1 = signal.signal(signal.SIGUSR1, lambda signum, frame: None)
 
     # -- the thread -------------------------------------------------------------------------
     def _run(self) -> None:
