@@ -239,7 +239,9 @@ def _shuffle_seeds(dataset) -> list:
         if type(current).__name__ == "_ShuffleDataset":
             pair = tuple(None if value is None else int(np.asarray(value))
                          for value in (current._seed, current._seed2))
-            seeds.append(pair if pair != (None, None) else ("unseeded", os.urandom(8).hex()))
+            # No seed at all is stored as (0, 0) (TF then draws a random seed per iterator).
+            unseeded = pair in ((None, None), (0, 0))
+            seeds.append(("unseeded", os.urandom(8).hex()) if unseeded else pair)
         try:
             pending.extend(current._inputs())
         except (NotImplementedError, AttributeError):

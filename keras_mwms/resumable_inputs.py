@@ -224,7 +224,7 @@ def _tf_shuffle_problem(x) -> str | None:
             continue
         seen.add(id(current))
         if type(current).__name__ == "_ShuffleDataset":
-            if current._seed is None and current._seed2 is None:
+            if _unseeded(current):
                 return "a shuffle without a seed draws a new order in every process"
             if getattr(current, "_reshuffle_each_iteration", True):
                 return ("a shuffle with reshuffle_each_iteration draws each epoch's order inside "
@@ -235,6 +235,12 @@ def _tf_shuffle_problem(x) -> str | None:
         except (NotImplementedError, AttributeError):
             continue
     return None
+
+
+def _unseeded(shuffle) -> bool:
+    """A tf.data shuffle given no seed at all: TF stores (0, 0) for it, and draws a random one."""
+    pair = [None if value is None else int(np.asarray(value)) for value in (shuffle._seed, shuffle._seed2)]
+    return pair in ([None, None], [0, 0])
 
 
 def _approximate(what: str, why: str) -> str:
