@@ -89,12 +89,15 @@ class DataOrder:
         self.steps_per_epoch = steps
         # The stream position that a fresh iterator's first item is (set by a resume).
         self.start = 0
-        self._cached: tuple[int, np.ndarray] | None = None
+        self._cached: tuple[int, np.ndarray, int] | None = None
 
     def permutation(self, epoch: int) -> np.ndarray:
-        if self._cached is None or self._cached[0] != epoch:
-            self._cached = (epoch, epoch_permutation(self.seed, epoch, self.units))
-        return self._cached[1]
+        # One read of the cache: input threads (tf.data, prefetching) may ask for two epochs.
+        cached = self._cached
+        if cached is None or cached[0] != epoch or cached[2] != self.seed:
+            cached = (epoch, epoch_permutation(self.seed, epoch, self.units), self.seed)
+            self._cached = cached
+        return cached[1]
 
     def locate(self, position: int) -> tuple[int, int]:
         """`(epoch, step)` of a stream position."""
