@@ -428,8 +428,8 @@ class Launcher:
         self._failures_in_a_row = (None, 0)
         self.workers -= 1
         return (f" with one worker fewer ({self.workers + 1} -> {self.workers}, --min-workers "
-                f"{self.min_workers}): worker {index} failed {count} times in a row, as a lost "
-                "machine does")
+                f"{self.min_workers}): worker {index} failed "
+                + ("once" if count == 1 else f"{count} times in a row") + ", as a lost machine does")
 
     def _hang_collector(self):
         """Listens for the gang's progress, hang reports and verdict (`keras_mwms.diagnostics`)."""
