@@ -121,10 +121,15 @@ def test_verdict_rules():
     assert (call.kind, call.workers) == ("desync", [1]) and "model.train_on_batch" in call.text
     three = verdicts.decide({0: _report(0, 5, 2), 1: _report(1, 5, 2), 2: _report(2, 6, 2)}, 3)
     assert (three.kind, three.workers) == ("desync", [2])
-    # After failed collectives (`settled`): where each worker was last, not whether it waits.
-    settled = verdicts.decide({0: _report(0, 5, 2, waiting=False),
-                               1: _report(1, 6, 3, waiting=False, call="train_on_batch")}, 2, settled=True)
+    # After failed collectives (`settled`): where each failed worker was last.
+    failed = [_report(0, 5, 2, waiting=False), _report(1, 6, 3, waiting=False, call="train_on_batch")]
+    for report in failed:
+        report["failed"] = True
+    settled = verdicts.decide(dict(enumerate(failed)), 2, settled=True)
     assert (settled.kind, settled.workers) == ("desync", [1])
+    # A live peer outside any collective (asleep in a callback) is behind, not out of step.
+    asleep = verdicts.decide({0: failed[0], 1: _report(1, 6, 3, waiting=False)}, 2, settled=True)
+    assert (asleep.kind, asleep.workers) == ("behind", [1])
 
 
 def test_datagrams_carry_reports_and_cut_stacks_to_fit():

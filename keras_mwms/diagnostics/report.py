@@ -47,13 +47,17 @@ def keras_call(ident: int | None) -> str:
     return found
 
 
-def build_report(worker: int, label: str, ledger: Ledger, threshold: float) -> dict:
-    """The report message of worker `worker` (see the module docstring)."""
+def build_report(worker: int, label: str, ledger: Ledger, threshold: float, failed: bool = False) -> dict:
+    """The report message of worker `worker` (see the module docstring).
+
+    `failed`: this worker's own collective failed (it reports from the lost-worker path or
+    from an uncaught collective error), so where it waits now says nothing.
+    """
     snapshot = ledger.snapshot()
     data = snapshot.get("data")
     return {
         "type": "report", "worker": worker, "label": label, "pid": os.getpid(),
-        "host": socket.gethostname(), "time": time.time(), "threshold": threshold,
+        "host": socket.gethostname(), "time": time.time(), "threshold": threshold, "failed": failed,
         "ledger": snapshot, "stack": thread_stack(ledger.main_thread),
         # The Keras method the main thread is in now; else the last one that ran a train step.
         "call": keras_call(ledger.main_thread) or snapshot["call"],

@@ -150,8 +150,8 @@ def decide(reports: dict[int, dict], num_workers: int, settled: bool = False) ->
     """The verdict for the collected `reports` (worker index → report), or None: no hang.
 
     See the module docstring for the rules; `num_workers` tells who should have answered.
-    `settled`: the round follows a failed collective, so workers compare the collective they
-    were in last (a desync), not where they wait now.
+    `settled`: the round follows a failed collective: no data-wait verdict; workers whose
+    report says `failed` are compared by the collective they were in last (a desync).
     """
     threshold = max((float(report.get("threshold") or 0) for report in reports.values()), default=0.0)
     everyone = [f"  worker {worker} (in model.{reports[worker].get('call') or '?'}): "
@@ -177,9 +177,10 @@ def decide(reports: dict[int, dict], num_workers: int, settled: bool = False) ->
                 *_stack(report, "data_stack", "input pipeline thread"), *_stack(report)]
         return Verdict("data wait", [worker], "\n".join(text))
 
-    outside = sorted(worker for worker, report in reports.items() if not report["ledger"].get("in_collective"))
-    if settled:
-        outside = []   # after a failed collective: compare where each worker was last
+    # A worker whose own collective failed is compared by where it was last (a desync), not
+    # by where it is now.
+    outside = sorted(worker for worker, report in reports.items()
+                     if not report["ledger"].get("in_collective") and not report.get("failed"))
     if any(reports[worker]["ledger"]["phase"] in COMPUTING for worker in outside):
         return None    # still computing its step (a long first compile, a big batch): not yet a hang
     if outside and len(outside) < len(reports):

@@ -120,6 +120,7 @@ class Watchdog:
         self._wake_write: socket.socket | None = None
         self._previous_wakeup_fd: int | None = None
         self._previous_sigusr1 = signal.SIG_DFL
+        self._failed = False   # this worker's own collective failed (`confirm_lost`)
         self._previous_excepthook = sys.excepthook
         self._epochs: dict[int, dict[int, dict]] = {}   # epoch number -> worker -> times (chief)
 
@@ -254,7 +255,8 @@ class Watchdog:
         if self._sent_report:
             return
         self._sent_report = True
-        own = reports.build_report(self.index, self.labels[self.index], self.ledger, self.threshold)
+        own = reports.build_report(self.index, self.labels[self.index], self.ledger, self.threshold,
+                                   failed=self._failed)
         self._reports[self.index] = own
         self._everyone(own)
 
@@ -363,5 +365,6 @@ class Watchdog:
         if self._thread is None or self._stop.is_set():
             return
         self._confirmed.clear()
+        self._failed = True
         self.request(f"worker {self.index}: a collective failed during {where}", confirm=True)
         self._confirmed.wait(COLLECT_SECONDS + VERDICT_WAIT_SECONDS + 2 * TICK_SECONDS + 1)
