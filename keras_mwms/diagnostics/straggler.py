@@ -90,10 +90,11 @@ def _epoch_times() -> dict:
 
 def on_epoch_end(epoch: int, watchdog: Any, output=None) -> dict | None:
     """Sends this worker's epoch times to the chief; on the chief, gathers, prints and returns the report."""
-    _state["epochs"] += 1
-    number, own = _state["epochs"], _epoch_times()
+    own = _epoch_times()
     if not own["steps"]:
         return None   # no distributed train step this epoch (a model trained on one worker alone)
+    _state["epochs"] += 1
+    number = _state["epochs"]
     if watchdog.index != 0:
         watchdog.send_to(0, {"type": "epoch", "worker": watchdog.index, "number": number, "times": own})
         return None
