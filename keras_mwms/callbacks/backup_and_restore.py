@@ -165,14 +165,21 @@ class BackupAndRestore(keras.callbacks.Callback):
               f"{metadata['epoch'] + 1}, step {metadata['step']} (saved by "
               f"{metadata['num_workers']} worker(s))", flush=True)
         if metadata["num_workers"] != workers:
-            batch = metadata.get("global_batch_rows")
-            print(f"BackupAndRestore: the backup was written by {metadata['num_workers']} "
-                  f"worker(s), this job has {workers}: the same global batch"
-                  + (f" of {batch} rows" if batch else "")
-                  + ", each worker now takes its 1/" + f"{workers} share of it.", flush=True)
-        if note:
-            warnings.warn(note, stacklevel=2)
+            print(self._worker_count_line(metadata, workers), flush=True)
+        if note:   # a changed global batch, or an input whose order cannot resume exactly
             print(note, file=sys.stderr, flush=True)
+
+    def _worker_count_line(self, metadata: dict, workers: int) -> str:
+        saved = metadata.get("global_batch_rows")
+        fit_input = resumable_inputs.active_for(self.model)
+        now = fit_input.stream.global_batch_rows if fit_input and fit_input.stream else saved
+        line = (f"BackupAndRestore: the backup was written by {metadata['num_workers']} "
+                f"worker(s), this job has {workers}: ")
+        if saved is not None and now != saved:
+            return line + (f"the global batch changed from {saved} to {now} rows (your choice), "
+                           f"each worker takes its 1/{workers} share of it.")
+        return line + ("the same global batch" + (f" of {saved} rows" if saved else "")
+                       + f", each worker now takes its 1/{workers} share of it.")
 
     def _read_backup(self):
         """Chief: `(metadata, arrays)`, None if there is no backup, or an error message."""
