@@ -62,7 +62,10 @@ _PR_SET_PDEATHSIG = 1
 
 
 def find_free_ports(count: int, host: str = "localhost") -> list[int]:
-    """Returns `count` distinct TCP ports that are free on `host` right now.
+    """Returns `count` distinct ports free on `host` right now, for TCP and for UDP.
+
+    UDP too: each worker's hang watchdog listens on UDP at its TF_CONFIG port number
+    (`keras_mwms.diagnostics.channel`), so a port another gang's watchdog holds is skipped.
 
     Example:
 
@@ -76,7 +79,14 @@ def find_free_ports(count: int, host: str = "localhost") -> list[int]:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.bind((host, 0))
             sockets.append(sock)
-            ports.append(sock.getsockname()[1])
+            port = sock.getsockname()[1]
+            datagram = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            sockets.append(datagram)
+            try:
+                datagram.bind(("0.0.0.0", port))
+            except OSError:
+                continue   # held for UDP: keep the TCP socket bound so it is not offered again
+            ports.append(port)
     finally:
         for sock in sockets:
             sock.close()

