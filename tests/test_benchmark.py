@@ -22,7 +22,7 @@ from keras_mwms.benchmark import analysis, bandwidth, command, config, report, r
 
 REPO = Path(__file__).resolve().parent.parent
 PURE_MODULES = ["config", "bandwidth", "models", "timing", "allreduce", "analysis", "report", "runner",
-                "peers", "worker"]
+                "peers", "worker", "cost_model", "scaling"]
 
 
 @pytest.mark.parametrize("name", PURE_MODULES)

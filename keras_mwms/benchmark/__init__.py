@@ -21,8 +21,9 @@ Example:
 
 Modules: `config` (what is measured), `bandwidth` (link probes, ring bound), `allreduce`
 (engine timing), `models`, `timing`, `fit` and `peers` (the timed variants), `worker` (one
-worker process), `analysis` (ratios, overhead), `report` (tables, JSON, PNG), `runner` (the
-driver), `command` (the CLI).
+worker process), `analysis` (ratios, overhead), `report` (tables, JSON, PNG), `cost_model` (the
+α-β model) and `scaling` (`--workers 2,3,4`: the sweep, the fit, the projection to 256 workers,
+`scaling.png`), `runner` (the driver), `command` (the CLI).
 """
 
 from keras_mwms.benchmark.command import main

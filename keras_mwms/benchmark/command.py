@@ -30,6 +30,18 @@ def _sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def _worker_counts(text: str) -> tuple[int, ...]:
+    """`--workers 2` or a sweep `--workers 2,3,4`: distinct counts, smallest first."""
+    try:
+        counts = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--workers takes a worker count or comma-separated counts "
+                                         f"(e.g. 2 or 2,3,4), got {text!r}") from None
+    if not counts:
+        raise argparse.ArgumentTypeError(f"--workers takes at least one worker count, got {text!r}")
+    return counts
+
+
 def build_parser(prog: str = "python -m keras_mwms.benchmark") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -46,7 +58,10 @@ def build_parser(prog: str = "python -m keras_mwms.benchmark") -> argparse.Argum
     parser.add_argument("--out", default="build/benchmark", help="output folder (default build/benchmark)")
     parser.add_argument("--backends", type=lambda text: _names(text, BACKENDS, "backend"), default=None,
                         help="comma-separated subset of tensorflow,jax,torch (default all)")
-    parser.add_argument("--workers", type=int, default=None, help="N for the multi-worker gangs (default 2)")
+    parser.add_argument("--workers", type=_worker_counts, default=None,
+                        help="N for the multi-worker gangs (default 2); a list sweeps (2,3,4: the peers at "
+                             "the smallest, keras_mwms alone at the others, same per-worker batch, and "
+                             "the fitted alpha-beta cost model's projection to 256 workers)")
     parser.add_argument("--models", type=lambda text: _names(text, ("mlp", "conv"), "model"), default=None,
                         help="mlp and/or conv (default: mlp,conv; quick: mlp)")
     parser.add_argument("--width", type=int, default=None, help="MLP hidden width (default 512; quick 256)")
@@ -70,6 +85,9 @@ def config_from_arguments(arguments: argparse.Namespace, parser: argparse.Argume
     overrides = {name: value for name, value in vars(arguments).items()
                  if value is not None and name not in ("what", "quick", "out")}
     overrides["sections"] = SECTIONS[arguments.what]
+    if "workers" in overrides:
+        overrides["workers"], *sweep = overrides["workers"]
+        overrides["scaling_workers"] = tuple(sweep)
     config = (quick_config if arguments.quick else full_config)(**overrides)
     if config.workers < 2:
         parser.error(f"--workers must be at least 2 (one process is always measured too), got {config.workers}")
@@ -92,8 +110,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m keras_mwms.be
     out_dir = Path(arguments.out)
     result = runner.run(config, out_dir)
     print(runner.render(result), flush=True)
-    outputs = [out_dir / "benchmark.json"] + ([out_dir / "benchmark.png"] if (out_dir / "benchmark.png").exists()
-                                              else [])
+    outputs = [out_dir / "benchmark.json"] + [out_dir / name for name in ("benchmark.png", "scaling.png")
+                                              if (out_dir / name).exists()]
     print(f"\nwrote {', '.join(str(path) for path in outputs)}", flush=True)
     return 0 if all(gang["ok"] for gang in result["gangs"]) else 1
 

@@ -50,6 +50,10 @@ class BenchmarkConfig:
         ledger_comparison: with N workers, also fit keras_mwms with the collective ledger and
             its timers off (`keras_mwms.diagnostics`; variant `"keras_mwms no-ledger"`), in
             the same gang, interleaved repeat by repeat (`--no-ledger`).
+        scaling_workers: further worker counts of a scaling sweep (`--workers 2,3,4` gives
+            `workers=2, scaling_workers=(3, 4)`): keras_mwms alone at each, on the same per-worker
+            batch (global batch ÷ `workers`: weak scaling), with the all-reduce; the cost model
+            (`keras_mwms.benchmark.scaling`) is fitted to them.
     """
 
     backends: tuple[str, ...] = BACKENDS
@@ -72,6 +76,7 @@ class BenchmarkConfig:
     share_peers: int = 2
     gang_timeout: float = 900.0
     ledger_comparison: bool = False
+    scaling_workers: tuple[int, ...] = ()
     quick: bool = False
 
     def to_json(self) -> str:
@@ -80,8 +85,8 @@ class BenchmarkConfig:
     @classmethod
     def from_json(cls, text: str) -> BenchmarkConfig:
         values = json.loads(text)
-        for name in ("backends", "sections", "sizes", "models"):
-            values[name] = tuple(values[name])
+        for name in ("backends", "sections", "sizes", "models", "scaling_workers"):
+            values[name] = tuple(values.get(name, ()))
         return cls(**values)
 
     def iterations_for(self, nbytes: int) -> int:

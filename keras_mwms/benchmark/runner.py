@@ -11,7 +11,9 @@ the N workers (see `keras_mwms.benchmark.analysis`). Per backend:
 * N workers (`keras_mwms` role): keras_mwms fit, the peers that can share its processes (JAX
   DataParallel, torch DDP), the all-reduce sweep and the gradient-size all-reduce;
 * TensorFlow only, N workers (`tensorflow_native` role): Keras 3 and tf-keras on a plain
-  `tf.distribute.MultiWorkerMirroredStrategy`.
+  `tf.distribute.MultiWorkerMirroredStrategy`;
+* a scaling sweep's further counts (`scaling` role, `--workers 2,3,4`): keras_mwms alone, and
+  then every process gets cores ÷ the largest count threads (`keras_mwms.benchmark.scaling`).
 
 A failed or timed-out gang is reported (with its log's tail) and the others still run.
 """
@@ -27,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from keras_mwms.benchmark import analysis, bandwidth, report
+from keras_mwms.benchmark import analysis, bandwidth, report, scaling
 from keras_mwms.benchmark.config import BenchmarkConfig
 from keras_mwms.benchmark.timing import LAUNCHED_AT_ENV
 from keras_mwms.benchmark.worker import THREADS_ENV
@@ -60,6 +62,8 @@ def plan(config: BenchmarkConfig) -> list[GangPlan]:
     ['tensorflow-1w-keras_mwms', 'tensorflow-2w-keras_mwms', 'tensorflow-2w-tensorflow_native', 'torch-1w-keras_mwms', 'torch-2w-keras_mwms']
     >>> [gang.name for gang in plan(quick_config(backends=("jax",), sections=("allreduce",)))]
     ['jax-2w-keras_mwms']
+    >>> [gang.name for gang in plan(quick_config(backends=("torch",), scaling_workers=(3, 4)))]
+    ['torch-1w-keras_mwms', 'torch-2w-keras_mwms', 'torch-3w-scaling', 'torch-4w-scaling']
     """
     gangs = []
     fit = "fit" in config.sections
@@ -69,6 +73,7 @@ def plan(config: BenchmarkConfig) -> list[GangPlan]:
         gangs.append(GangPlan(backend, config.workers, "keras_mwms"))
         if fit and backend == "tensorflow":
             gangs.append(GangPlan(backend, config.workers, "tensorflow_native"))
+        gangs += [GangPlan(backend, count, scaling.ROLE) for count in config.scaling_workers]
     return gangs
 
 
@@ -173,7 +178,7 @@ def run(config: BenchmarkConfig, out_dir: Path) -> dict:
     say(f"loopback TCP {machine['loopback_tcp_bytes_per_second'] / 1e9:.2f} GB/s, "
         f"memcpy {machine['memcpy_bytes_per_second'] / 1e9:.2f} GB/s")
     gangs = []
-    threads = threads_per_worker(config.workers)
+    threads = threads_per_worker(max(scaling.worker_counts(config)))
     gang_plans = plan(config)
     run_started = time.monotonic()
     for number, gang_plan in enumerate(gang_plans, 1):
@@ -197,6 +202,7 @@ def run(config: BenchmarkConfig, out_dir: Path) -> dict:
         "ratios": analysis.ratio_rows(fits),
         "overhead": analysis.overhead_rows(fits, allreduce, config.workers),
         "ledger": analysis.ledger_rows(fits),
+        "scaling": scaling.analyse(gangs, fits, config, machine, threads),
         "gangs": [{key: value for key, value in gang.items() if key != "results"} for gang in gangs],
         "definitions": analysis.__doc__,
         "link_probe": bandwidth.__doc__,
@@ -204,6 +210,7 @@ def run(config: BenchmarkConfig, out_dir: Path) -> dict:
     report.write_json(result, out_dir)
     if fits or allreduce:
         report.write_plot(result, out_dir)
+    scaling.write_plot(result["scaling"], machine["description"], out_dir)
     return result
 
 
@@ -241,6 +248,8 @@ def render(result: dict) -> str:
         parts.append(report.ratios_text(result["ratios"]))
     if result.get("ledger"):
         parts.append(report.ledger_text(result["ledger"]))
+    if result.get("scaling", {}).get("engines"):
+        parts.append(scaling.text(result["scaling"]))
     for gang in result["gangs"]:
         if not gang["ok"]:
             parts.append(f"FAILED gang {gang['name']}: {gang['error']}\n  " + "\n  ".join(gang.get("log_tail", [])))

@@ -12,7 +12,8 @@ same processes, interleaved repeat by repeat, it runs the native peers that can 
 (JAX DataParallel and the torch DDP loop on the strategy's engine, and, with one process, plain
 Keras 3 and tf-keras), then times the all-reduce. ROLE `tensorflow_native` runs the TensorFlow
 peers on a plain `tf.distribute.MultiWorkerMirroredStrategy` (it cannot share a process with
-keras_mwms' patched trainer).
+keras_mwms' patched trainer). ROLE `scaling` fits keras_mwms alone at a sweep's further worker
+count (`run_scaling_role`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from keras_mwms.benchmark.models import parameter_count, synthetic_data
 from keras_mwms.benchmark.timing import seconds_since_launch
 from keras_mwms.devices import threads_per_worker
 
-ROLES = ("keras_mwms", "tensorflow_native")
+ROLES = ("keras_mwms", "tensorflow_native", "scaling")
 THREADS_ENV = "KERAS_MWMS_BENCH_THREADS"
 
 
@@ -155,6 +156,38 @@ def run_keras_mwms_role(config: BenchmarkConfig, backend_name: str, result: dict
         result["allreduce"] = rows
 
 
+def run_scaling_role(config: BenchmarkConfig, backend_name: str, result: dict) -> None:
+    """A scaling sweep's further count: keras_mwms alone, weak scaling, then the all-reduce.
+
+    The global batch is this gang's worker count × one worker's batch of the main run
+    (`config.global_batch ÷ config.workers`); no peers (see `keras_mwms.benchmark.scaling`).
+    """
+    import keras_mwms
+    from keras_mwms.benchmark import allreduce
+
+    started = time.perf_counter()
+    strategy = keras_mwms.MultiWorkerMirroredStrategy()
+    result["join_seconds"] = time.perf_counter() - started
+    result["engine"] = strategy.backend.engine_description()
+    workers = strategy.num_workers
+    weak = dataclasses.replace(config, global_batch=config.global_batch // config.workers * workers)
+    runs = TimedRuns()
+    if "fit" in config.sections:
+        for model_name in config.models:
+            x, y = synthetic_data(weak, model_name)
+            for repeat in range(config.repeats):
+                runs.add(keras_mwms_fit, strategy, weak, model_name, repeat, x, y)
+    result["fits"] = runs.fits
+    rows = allreduce.measure(strategy, backend_name, [4], config.iterations_for, label="latency")
+    if "allreduce" in config.sections:
+        rows += allreduce.measure(strategy, backend_name, config.sizes, config.iterations_for)
+    if "fit" in config.sections:
+        for model_name in config.models:
+            rows += allreduce.measure(strategy, backend_name, [4 * parameter_count(config, model_name)],
+                                      config.iterations_for, label=f"gradients:{model_name}")
+    result["allreduce"] = rows
+
+
 def run_tensorflow_native_role(config: BenchmarkConfig, workers: int, result: dict) -> None:
     started = time.perf_counter()
     tf_strategy = peers.tensorflow_native_strategy(workers)
@@ -173,7 +206,7 @@ def run_tensorflow_native_role(config: BenchmarkConfig, workers: int, result: di
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) != 3 or argv[1] not in ROLES:
-        print("usage: python -m keras_mwms.benchmark.worker CONFIG.json {keras_mwms|tensorflow_native} "
+        print("usage: python -m keras_mwms.benchmark.worker CONFIG.json {keras_mwms|tensorflow_native|scaling} "
               "RESULT_PREFIX", file=sys.stderr)
         return 2
     config_path, role, result_prefix = argv
@@ -187,6 +220,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               "worker_index": json.loads(os.environ.get("TF_CONFIG", '{"task": {"index": 0}}'))["task"]["index"]}
     if role == "keras_mwms":
         run_keras_mwms_role(config, backend_name, result)
+    elif role == "scaling":
+        run_scaling_role(config, backend_name, result)
     else:
         run_tensorflow_native_role(config, workers, result)
     result["versions"] = versions(backend_name)
