@@ -66,6 +66,12 @@ FLAGS.add_argument("--primitives", action="store_true",
 FLAGS.add_argument("--kill-worker", type=int, default=None,
                    help="this worker exits with os._exit(9) after batch --kill-after-batch (fault tests)")
 FLAGS.add_argument("--kill-after-batch", type=int, default=5)
+FLAGS.add_argument("--compression", default=None, choices=["bf16", "fp16"],
+                   help="CommunicationOptions(compression=...) for this scenario; the dump then holds "
+                        "wire_bytes_per_step either way")
+FLAGS.add_argument("--record-path", action="store_true",
+                   help="dump w<i>.path.npz: per weight, the sum over steps of |weight change| (the "
+                        "scale of compression's rounding bound)")
 FLAGS.add_argument("--seconds-per-batch", type=float, default=0.0,
                    help="sleep after every batch, so a fault lands mid-epoch")
 
@@ -186,6 +192,28 @@ def make_recorder(arguments, index: int):
     return Recorder()
 
 
+def PathLength(out: str, index: int):
+    """A callback summing |weight change| over the steps, per weight; dumped at train end."""
+    import keras
+    import numpy as np
+
+    class PathLength(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.previous = [np.asarray(weight, np.float64) for weight in self.model.get_weights()]
+            self.lengths = [np.zeros_like(weight) for weight in self.previous]
+
+        def on_train_batch_end(self, batch, logs=None):
+            current = [np.asarray(weight, np.float64) for weight in self.model.get_weights()]
+            for length, before, after in zip(self.lengths, self.previous, current):
+                length += np.abs(after - before)
+            self.previous = current
+
+        def on_train_end(self, logs=None):
+            np.savez(os.path.join(out, f"w{index}.path.npz"), *self.lengths)
+
+    return PathLength()
+
+
 def backend_details(strategy, model) -> dict:
     """What only one backend reports about how it trained."""
     import keras
@@ -283,6 +311,9 @@ def run_scenario(strategy, out: str, arguments) -> None:
     else:
         data, outputs, loss, metrics = common.regression_data, 1, "mse", ["mae"]
     x, y = data(arguments.rows)
+    import dataclasses
+
+    strategy.backend.options = dataclasses.replace(strategy.backend.options, compression=arguments.compression)
     with strategy.scope():
         model = build_model(arguments, outputs, loss, metrics)
     os.makedirs(out, exist_ok=True)
@@ -296,10 +327,15 @@ def run_scenario(strategy, out: str, arguments) -> None:
     elif arguments.validation == "split":
         fit_kwargs.update(validation_split=0.25)
     recorder = make_recorder(arguments, index)
+    callbacks = [recorder] + ([PathLength(out, index)] if arguments.record_path else [])
+    from keras_mwms.backends.compression import WIRE
+
+    WIRE.reset()
     started = time.time()
     history = model.fit(**fit_kwargs, epochs=arguments.epochs, steps_per_epoch=arguments.steps_per_epoch,
-                        callbacks=[recorder], verbose=verbose)
+                        callbacks=callbacks, verbose=verbose)
     fit_seconds = time.time() - started
+    wire_bytes_per_step = WIRE.per_step(sum(recorder.batches))
 
     evaluate_batch_size = arguments.evaluate_batch_size or arguments.batch_size
     if arguments.evaluate_on == "holdout":
@@ -324,6 +360,7 @@ def run_scenario(strategy, out: str, arguments) -> None:
         optimizer_iterations=int(keras.ops.convert_to_numpy(model.optimizer.iterations)),
         predict_shape=list(prediction.shape),
         fit_seconds=fit_seconds,
+        wire_bytes_per_step=wire_bytes_per_step,
         **backend_details(strategy, model),
     )
     if arguments.primitives:

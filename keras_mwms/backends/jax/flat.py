@@ -25,6 +25,12 @@ the batch statistics themselves are per worker, which is why `auto` sends models
 BatchNormalization (and models with their own `train_step`) to the DataParallel path, where
 XLA computes them over the global batch exactly as one process.
 
+With `CommunicationOptions(compression=...)` the float32 gradients leave the local step as a
+16-bit vector of their own (the row count, metric states and statistics stay in the exact float32
+vector): fp16 is summed by `psum` in fp16; bf16 travels as an **all-gather** of its bits and is
+summed in float32 in worker order inside the apply, because XLA on CPU widens a bf16 all-reduce
+to float32 and would send float32 bytes (`keras_mwms.backends.compression`).
+
 Path choice: `CommunicationOptions(jax_path=...)` — `"auto"` (default), `"flat"` or
 `"dataparallel"` (environment override `KERAS_MWMS_JAX_PATH`), see `choose_path`.
 
@@ -43,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from keras_mwms.backends import policy
+from keras_mwms.backends.compression import WIRE, wire_dtype
 from keras_mwms.diagnostics import LEDGER
 
 FLAT = "flat"
@@ -101,12 +108,20 @@ class FlatCollectives:
         self._is_chief = is_chief
         self._sum = jax.pmap(lambda value: jax.lax.psum(value, "workers"), axis_name="workers",
                              devices=jax.devices())
+        self._gather = jax.pmap(lambda value: jax.lax.all_gather(value, "workers"), axis_name="workers",
+                                devices=jax.devices())
 
     def all_reduce_sum(self, flat: Any) -> Any:
         """Σ over workers of a local 1-D array (one local device), as a local array."""
         if self._local_devices != 1:
             raise RuntimeError("the flat all-reduce serves workers with one local device")
         return self._sum(flat[None]).addressable_data(0)[0]
+
+    def all_gather(self, flat: Any) -> Any:
+        """Every worker's local 1-D array stacked in worker order, `(workers, size)`, as a local array."""
+        if self._local_devices != 1:
+            raise RuntimeError("the flat all-gather serves workers with one local device")
+        return self._gather(flat[None]).addressable_data(0)[0]
 
     def broadcast(self, values: list[np.ndarray]) -> list[np.ndarray]:
         """The chief's arrays on every worker, bit for bit, in ONE collective (any dtypes).
@@ -187,12 +202,13 @@ def _batch_norm_statistics_indices(model) -> list[int]:
 
 # -- the split train step -----------------------------------------------------------------
 def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[Callable], Any],
-                         all_gather: Callable[[np.ndarray], np.ndarray]):
+                         all_gather: Callable[[np.ndarray], np.ndarray], compression: str | None = None):
     """Keras' `train_step(state, data)` for `model`, split around one flat all-reduce per dtype.
 
     The step returns GLOBAL batch logs: summed metric states ride in the same all-reduce as the
     gradients, other states (max/min/first) are all-gathered. `guard(call)` runs a collective
     and turns a lost peer into `WorkerLostError`; `all_gather` stacks host arrays of all workers.
+    `compression` (`CommunicationOptions.compression`) sends float32 gradients in 16 bits.
     """
     import jax
     import jax.numpy as jnp
@@ -206,7 +222,10 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
     summed = [i for i, op in enumerate(reductions) if op == "sum"]
     gathered = [i for i, op in enumerate(reductions) if op != "sum"]
     metric_dtypes = [str(variable.dtype) for variable in model.metrics_variables]
-    dtypes = list(dict.fromkeys([str(v.dtype) for v in model.trainable_variables]
+    # Gradient dtypes sent in 16 bits, each as a vector of its own (the others stay exact).
+    wires = {dtype: wire_dtype(compression, dtype) for dtype in dict.fromkeys(
+        str(v.dtype) for v in model.trainable_variables) if wire_dtype(compression, dtype)}
+    dtypes = list(dict.fromkeys([str(v.dtype) for v in model.trainable_variables if str(v.dtype) not in wires]
                                 + [metric_dtypes[i] for i in summed]))
     if "float32" not in dtypes:
         dtypes.append("float32")  # carries the row count
@@ -234,8 +253,10 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
         # A worker with no rows ran on a dummy row: its metric states must not count it.
         metrics = [jnp.where(rows > 0, new, old) for new, old in zip(new_metrics, metrics)]
         pieces: dict[str, list] = {dtype: [] for dtype in dtypes}
+        wire_pieces: dict[str, list] = {dtype: [] for dtype in wires}
         for grad in grads:
-            pieces[str(grad.dtype)].append((grad * (rows / share).astype(grad.dtype)).ravel())
+            (wire_pieces if str(grad.dtype) in wires else pieces)[str(grad.dtype)].append(
+                (grad * (rows / share).astype(grad.dtype)).ravel())
         for i in statistics:
             value = non_trainable[i]
             pieces[str(value.dtype)].append((value * rows.astype(value.dtype)).ravel())
@@ -243,15 +264,35 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
             pieces[str(metrics[i].dtype)].append(jnp.ravel(metrics[i]))
         pieces["float32"].append(rows.reshape(1))
         payloads = tuple(jnp.concatenate(pieces[dtype]) for dtype in dtypes)
-        return payloads, non_trainable, metrics, logs, [metrics[i] for i in gathered]
+        compressed = tuple(_to_wire(jnp.concatenate(wire_pieces[dtype]), wire) for dtype, wire in wires.items())
+        return payloads + compressed, non_trainable, metrics, logs, [metrics[i] for i in gathered]
+
+    def _to_wire(flat, wire):
+        # bf16 travels as its bits in an all-gather (XLA on CPU would widen a bf16 all-reduce).
+        flat = flat.astype(wire)
+        return jax.lax.bitcast_convert_type(flat, jnp.uint16) if wire == "bfloat16" else flat
+
+    def _from_wire(reduced, dtype, wire):
+        if wire != "bfloat16":
+            return reduced.astype(dtype)
+        parts = jax.lax.bitcast_convert_type(reduced, jnp.bfloat16).astype(jnp.float32)
+        total = parts[0]
+        for part in parts[1:]:   # in worker order: the same bits on every worker
+            total = total + part
+        return total.astype(dtype)
 
     def apply_part(trainable, non_trainable, optimizer_variables, metrics, sums, reduced_gathered):
         by_dtype = dict(zip(dtypes, sums))
+        # The compressed gradients, back in their own dtype, under ("gradients", dtype).
+        by_dtype.update({("gradients", dtype): _from_wire(reduced, dtype, wire)
+                         for (dtype, wire), reduced in zip(wires.items(), sums[len(dtypes):])})
         total_rows = by_dtype["float32"][-1]
-        offsets = dict.fromkeys(dtypes, 0)
+        offsets = dict.fromkeys(by_dtype, 0)
 
-        def take(like, scale=True):
+        def take(like, scale=True, gradient=False):
             dtype = str(like.dtype)
+            if gradient and dtype in wires:
+                dtype = ("gradients", dtype)
             start = offsets[dtype]
             offsets[dtype] = start + like.size
             flat = by_dtype[dtype][start:start + like.size]
@@ -259,7 +300,7 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
                 flat = flat / total_rows.astype(flat.dtype)
             return flat.reshape(like.shape)
 
-        grads = [take(variable) for variable in trainable]
+        grads = [take(variable, gradient=True) for variable in trainable]
         grads = [jnp.where(jnp.abs(grad) >= policy.FLOAT16_OVERFLOW, jnp.inf, grad) if flagged else grad
                  for grad, flagged in zip(grads, in_float16)]
         non_trainable = list(non_trainable)
@@ -300,8 +341,11 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
             trainable, non_trainable, optimizer_variables, metrics, x, y, sample_weight, np.float32(rows))
         # Waited for inside the guard (the apply needs it next anyway): the ledger then times
         # the all-reduce itself, not JAX's asynchronous dispatch of it.
-        sums = guard(lambda: jax.block_until_ready([collectives.all_reduce_sum(payload)
-                                                    for payload in payloads]))
+        sums = guard(lambda: jax.block_until_ready(
+            [collectives.all_reduce_sum(payload) for payload in payloads[:len(dtypes)]]
+            + [collectives.all_gather(payload) if wire == "bfloat16" else collectives.all_reduce_sum(payload)
+               for payload, wire in zip(payloads[len(dtypes):], wires.values())]))
+        WIRE.add(sum(payload.size * payload.dtype.itemsize for payload in payloads))
         reduced = guard(lambda: gather_and_reduce(local_gathered)) if gathered else []
         trainable, new_non_trainable, optimizer_variables, global_logs = apply_jit(
             trainable, new_non_trainable, optimizer_variables, new_metrics, sums, reduced)

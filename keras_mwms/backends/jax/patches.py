@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import warnings
 
 import numpy as np
 
@@ -321,6 +322,12 @@ def _flat_function(attribute: str, build):
                 return original(self, *args, **kwargs)
             _sync_state(backend, self)
             if not _on_flat_path(backend, self):
+                if attribute == "train_function" and backend.options.compression and backend.num_workers > 1:
+                    warnings.warn(f"compression={backend.options.compression!r} is not applied to "
+                                  f"{type(self).__name__}: it trains on JAX's DataParallel path, whose "
+                                  "all-reduce XLA runs inside the step; its gradients travel in float32. "
+                                  "Models without BatchNormalization or a custom train_step use the flat "
+                                  "path, where compression applies.", stacklevel=3)
                 result = original(self, *args, **kwargs)
                 if attribute == "train_function":   # XLA's all-reduce: one ledger entry per step
                     self.train_function = counted_in_graph(self.train_function)
@@ -338,7 +345,7 @@ def _flat_train_step(backend, model):
     """Keras' jitted step split around one flat gradient all-reduce."""
     return flat.make_flat_train_step(
         model, backend.collectives, lambda call: backend.faults.guard("gradient all-reduce", call),
-        backend.all_gather)
+        backend.all_gather, compression=backend.options.compression)
 
 
 def _flat_test_step(backend, model):

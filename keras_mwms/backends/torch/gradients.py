@@ -7,6 +7,8 @@ statistics in one bucketed flat all-reduce, then divides by the global row count
 averaged by clipping and loss scaling. When the gradient buckets already started reducing
 during `backward()` (`keras_mwms.backends.torch.overlap`), the small values ride in the last
 bucket (`StepExtras`) and the step costs the gradient all-reduce only.
+With `CommunicationOptions(compression=...)` the gradients cross in 16 bits
+(`compressed_all_reduce`); the statistics and row counts stay exact.
 `BatchNormalization(synchronized=True)` computes global batch statistics
 (`synchronized_moments`).
 
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 
 from keras_mwms.backends import policy
+from keras_mwms.backends.compression import WIRE, wire_dtype
 from keras_mwms.backends.torch import metrics
 from keras_mwms.backends.torch.state import STATE
 
@@ -168,7 +171,14 @@ def averaged_over_workers(backend: TorchEngine, model, grads: list, variables=No
         payload.append(value * rows if has_rows else torch.zeros_like(value))
     reference = grads[present[0]] if present else torch.zeros(())
     payload.append(torch.tensor([weight, rows], dtype=reference.dtype, device=reference.device))
-    reduced = backend.all_reduce_flat(payload, what="gradient all-reduce")
+    if backend.options.compression and backend.distributed:
+        # The gradients in 16 bits, the statistics and row counts exact, in a collective apiece.
+        reduced = (compressed_all_reduce(backend, payload[:len(present)])
+                   + backend.all_reduce_flat(payload[len(present):], what="gradient all-reduce"))
+    else:
+        reduced = backend.all_reduce_flat(payload, what="gradient all-reduce")
+    WIRE.add(sum(_wire_bytes(backend, tensor) for tensor in payload[:len(present)])
+             + sum(tensor.numel() * tensor.element_size() for tensor in payload[len(present):]))
     total_weight, total_rows = reduced[-1][0], reduced[-1][1]
     averaged = list(grads)
     for slot, i in enumerate(present):
@@ -187,10 +197,35 @@ def _average_overlapped(backend: TorchEngine, grads: list, summed: list, statist
     reference = summed[0] if summed else torch.zeros(())
     payload.append(torch.tensor([weight, rows], dtype=reference.dtype, device=reference.device))
     reduced = backend.all_reduce_flat(payload, what="gradient all-reduce")
+    WIRE.add(sum(tensor.numel() * tensor.element_size() for tensor in payload))
     total_weight, total_rows = reduced[-1][0], reduced[-1][1]
     for offset, variable in enumerate(statistics):
         variable.value.data.copy_(reduced[offset] / total_rows)
     return [None if grad is None else total.div_(total_weight) for grad, total in zip(grads, summed)]
+
+
+def compressed_all_reduce(backend: TorchEngine, tensors: list) -> list:
+    """Sums gradients across workers, float32 ones sent as `options.compression`'s 16-bit type.
+
+    The sums come back in each gradient's own dtype (`keras_mwms.backends.compression`).
+
+    Example (one process: nothing travels, the values come back through the 16-bit cast):
+
+    >>> from types import SimpleNamespace as Object
+    >>> alone = Object(options=Object(compression="bf16"),
+    ...                all_reduce_flat=lambda tensors, what: [t.clone() for t in tensors])
+    >>> compressed_all_reduce(alone, [torch.tensor([1.0, 1.0 + 2.0 ** -10])])[0].tolist()
+    [1.0, 1.0]
+    """
+    wires = [wire_dtype(backend.options.compression, tensor.dtype) for tensor in tensors]
+    sent = [tensor.to(getattr(torch, wire)) if wire else tensor for tensor, wire in zip(tensors, wires)]
+    reduced = backend.all_reduce_flat(sent, what="gradient all-reduce")
+    return [total.to(tensor.dtype) for total, tensor in zip(reduced, tensors)]
+
+
+def _wire_bytes(backend: TorchEngine, tensor: torch.Tensor) -> int:
+    wire = wire_dtype(backend.options.compression, tensor.dtype)
+    return tensor.numel() * (getattr(torch, wire).itemsize if wire else tensor.element_size())
 
 
 def synchronized_moments(backend: TorchEngine, inputs, axes):

@@ -22,6 +22,10 @@ statistics, metric states) can ride in the last bucket: `arm(rows, extras=fn)` c
 that bucket launches and `finish()` hands back their sums, so a step needs no separate
 latency-bound all-reduce for them.
 
+With `CommunicationOptions(compression=...)` a float32 bucket is cast to bf16/fp16 before its
+all-reduce and back to float32 when `finish` collects it (`keras_mwms.backends.compression`);
+the extras then travel in a float32 collective of their own, so they stay exact.
+
 Example (one process: nothing is distributed, so the reducer declines to arm):
 
 >>> import torch
@@ -44,6 +48,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from keras_mwms.backends.compression import WIRE, wire_dtype
 from keras_mwms.diagnostics import LEDGER
 
 if TYPE_CHECKING:
@@ -163,9 +168,13 @@ class OverlappedGradients:
         last = number == len(self.buckets) - 1
         extras = self._collect_extras() if last else []
         dtype = self.parameters[self.buckets[number][0]].dtype
-        riding = [i for i, tensor in enumerate(extras) if tensor.dtype == dtype]
+        wire = wire_dtype(self.backend.options.compression, dtype)
+        # Compressed buckets carry gradients only: the extras must stay exact.
+        riding = [] if wire else [i for i, tensor in enumerate(extras) if tensor.dtype == dtype]
         with torch.no_grad():
             flat = torch.cat(pieces + [extras[i] for i in riding])
+            if wire:
+                flat = flat.to(getattr(torch, wire))
         with self.backend.guarded("gradient all-reduce"):
             self.works[number] = dist.all_reduce(flat, async_op=True)
             self.flats[number] = flat
@@ -175,7 +184,7 @@ class OverlappedGradients:
             # Extras of another dtype than the bucket: one more flat per dtype, launched now.
             by_dtype: dict = {}
             for i, tensor in enumerate(extras):
-                if tensor.dtype != dtype:
+                if i not in riding:
                     by_dtype.setdefault(tensor.dtype, []).append(i)
             for positions in by_dtype.values():
                 with torch.no_grad():
@@ -203,11 +212,17 @@ class OverlappedGradients:
         summed: list[torch.Tensor | None] = [None] * len(self.parameters)
         extras: list[torch.Tensor | None] = [None] * len(self.extra_tensors)
         nbytes = sum(flat.numel() * flat.element_size() for flat in self.flats if flat is not None)
+        buckets = {id(flat) for flat in self.flats}
+        WIRE.add(nbytes + sum(flat.numel() * flat.element_size()
+                              for flat, *_ in self.extra_parts if id(flat) not in buckets))
         with LEDGER.collective("gradient all-reduce (overlapped buckets)", nbytes), \
                 self.backend.guarded("gradient all-reduce"):
             for number, bucket in enumerate(self.buckets):
                 self.works[number].wait()
                 flat, offset = self.flats[number], 0
+                dtype = self.parameters[bucket[0]].dtype
+                if flat.dtype != dtype:   # compressed: back to the gradients' own type
+                    flat = flat.to(dtype)
                 for position in bucket:
                     parameter = self.parameters[position]
                     summed[position] = flat[offset:offset + parameter.numel()].view_as(parameter)
