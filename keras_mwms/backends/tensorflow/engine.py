@@ -209,7 +209,7 @@ class TensorFlowBackend(Backend):
                 "longer be configured. Create the strategy first, right after the imports, and "
                 "build models, seeds and data afterwards."
             ) from error
-        self.row_weighting = RowWeighting(self.strategy)
+        self.row_weighting = RowWeighting(self.strategy, compression=lambda: self.options.compression)
 
     def leave(self) -> None:
         """Nothing to do: TF collectives, once configured, stay with the process."""

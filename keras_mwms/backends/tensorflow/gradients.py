@@ -25,6 +25,11 @@ silently (workers stay bit-identical, so nothing looks broken):
   and all-reduces inside a `tf.cond`: mixed_float16 hangs in the first step. Here it decides
   on the all-reduced gradient, the same on every worker.
 
+* **Compression.** With `CommunicationOptions(compression=...)` the float32 gradients are cast
+  to bf16/fp16 for the all-reduce (summed in 16 bits by TF's collective) and back to float32,
+  where a mean divides by the replicas (`keras_mwms.backends.compression`); the row counts stay
+  float32.
+
 `RowWeighting` holds the replacements; `keras_mwms.backends.tensorflow.patches` lists them as
 rows of the backend's patch table.
 """
@@ -38,6 +43,7 @@ from collections.abc import Callable
 from typing import Any
 
 from keras_mwms.backends import policy
+from keras_mwms.backends.compression import WIRE, wire_dtype
 
 
 def _rows_of(nest):
@@ -78,10 +84,13 @@ class RowWeighting:
     Args:
         strategy: the `tf.distribute` strategy keras_mwms created; optimizers of other
             strategies keep Keras' update.
+        compression: returns `CommunicationOptions.compression` when a step is traced
+            (default: no compression).
     """
 
-    def __init__(self, strategy: Any):
+    def __init__(self, strategy: Any, compression: Callable[[], str | None] = lambda: None):
         self.strategy = strategy
+        self.compression = compression
         self.loop_models: list = []              # models of the Keras loops our fit/evaluate runs, innermost last
         self._replica = threading.local()        # per replica thread: this step's loss scale factor
 
@@ -129,6 +138,7 @@ class RowWeighting:
                 if rows is None:        # no batch to count: every replica's loss counts alike
                     self._replica.factor = tf.constant(replicas / context.num_replicas_in_sync)
                 else:
+                    WIRE.trace("row count", 4)
                     global_rows = context.all_reduce(tf.distribute.ReduceOp.SUM, rows)
                     self._replica.factor = tf.math.divide_no_nan(rows * replicas, global_rows)
                 try:
@@ -174,7 +184,7 @@ class RowWeighting:
             # not the replica thread's factor: LossScaleOptimizer applies from a replica
             # thread of its own.)
             operation = tf.distribute.ReduceOp.MEAN if self.loops_running else tf.distribute.ReduceOp.SUM
-            reduced = context.all_reduce(operation, list(grads))
+            reduced = self._all_reduce(context, operation, list(grads))
 
             def update(distribution, reduced_grads):
                 local = [distribution.experimental_local_results(grad)[0] for grad in reduced_grads]
@@ -209,7 +219,7 @@ class RowWeighting:
                     "strategy.scope(), so TensorFlow cannot apply it on several workers. Create the "
                     "optimizer inside `with strategy.scope():`, where the model is compiled.")
             present = [i for i, grad in enumerate(grads) if grad is not None]
-            reduced = (context.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in present])
+            reduced = (self._all_reduce(context, tf.distribute.ReduceOp.SUM, [grads[i] for i in present])
                        if present else [])
 
             model = self._loop_model()
@@ -232,6 +242,27 @@ class RowWeighting:
             context.merge_call(update, args=(reduced,))
 
         return _tf_apply
+
+    def _all_reduce(self, context, operation, grads: list) -> list:
+        """`context.all_reduce(operation, grads)`, float32 gradients in 16 bits when compressing.
+
+        Summed in the wire type, cast back, then divided by the replicas for a mean: the
+        division runs in float32. Records the bytes it hands the collective (`WIRE.trace`).
+        """
+        import tensorflow as tf
+
+        wires = [wire_dtype(self.compression(), grad.dtype.name) for grad in grads]
+        WIRE.trace("gradient all-reduce", sum(
+            (grad.shape.num_elements() or 0) * (tf.as_dtype(wire) if wire else grad.dtype).size
+            for grad, wire in zip(grads, wires)))
+        if not any(wires):
+            return context.all_reduce(operation, grads)
+        sent = [tf.cast(grad, wire) if wire else grad for grad, wire in zip(grads, wires)]
+        summed = context.all_reduce(tf.distribute.ReduceOp.SUM, sent)
+        reduced = [tf.cast(total, grad.dtype) for total, grad in zip(summed, grads)]
+        if operation == tf.distribute.ReduceOp.MEAN:
+            reduced = [total / tf.cast(context.num_replicas_in_sync, total.dtype) for total in reduced]
+        return reduced
 
     @staticmethod
     def merge_call_in_cross_replica_context(original: Callable) -> Callable:
