@@ -1,0 +1,115 @@
+"""Gradient compression (`CommunicationOptions(compression=...)`) with real 2-worker gangs.
+
+Per backend one run of `tests/workers/fit_scenario.py` as a gang of 2 on localhost serves three
+scenarios in the same processes (uncompressed, bf16, fp16), and the uncompressed scenario runs
+alongside as one process without TF_CONFIG (the reference), which also records each weight's
+path length `S = Σ_k |w_k+1 - w_k|` over the steps. The tests assert:
+
+* workers are bit-identical under bf16 and under fp16 (every worker sums the same 16-bit values
+  in the same order);
+* compressed training stays within the rounding bound of one uncompressed process, and
+  outside float32 noise (so the compression really happened);
+* the bytes each worker hands its engine per step halve (`keras_mwms.backends.compression.WIRE`).
+
+The tolerance, from `keras_mwms.backends.compression`: plain SGD (no momentum) moves a weight by
+`lr · g` per step, so `S = lr · Σ_k |g_k|`. A compressed global gradient is each worker's part
+rounded to 16 bits (relative error ≤ u) and their sum rounded again (≤ u): error ≤ 2u · the
+parts' magnitudes. So `max |w_compressed - w_reference| ≤ C · 2u · max S` with u = 2^-8 (bf16),
+2^-11 (fp16), and C = 4: a factor 2 because a worker's half-batch gradient can exceed the global
+one where the two workers' parts cancel, a factor 2 for later steps carrying an early error on
+(16 small SGD steps). Measured margins are in the assertion messages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+
+import numpy as np
+import pytest
+
+from keras_mwms.backends.compression import relative_rounding
+from keras_mwms.launch import find_free_ports
+from tests.multiworker import Spawn, python_worker, run_processes, worker_env
+from tests.workers.common import max_weight_difference
+from tests.workers.fit_scenario import load_dump
+
+pytestmark = [pytest.mark.slow]
+
+RUN_TIMEOUT = 300          # gang + reference of one backend; ~15-25 s alone on 2 cores
+SAFETY = 4                 # C in the module docstring
+FLOAT32_NOISE = 1e-5       # an uncompressed gang's distance from one process (tests/test_backend_*)
+BASE = ["--verbose", "0", "--seed", "100", "--momentum", "0", "--evaluate-on", "training"]
+SCENARIOS = {"plain": [], "bf16": ["--compression", "bf16"], "fp16": ["--compression", "fp16"]}
+BACKENDS = [pytest.param("tensorflow", marks=pytest.mark.tensorflow),
+            pytest.param("jax", marks=pytest.mark.jax),
+            pytest.param("torch", marks=pytest.mark.torch)]
+
+
+def _command(out: str, names) -> list[str]:
+    scenarios = [part for name in names for part in ("--scenario", f"{name}: {shlex.join(SCENARIOS[name])}")]
+    return python_worker("fit_scenario.py", out, *BASE, *scenarios)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def runs(request, tmp_path_factory):
+    """The backend's gang (3 scenarios) and the one-process reference, run at the same time."""
+    backend = request.param
+    root = tmp_path_factory.mktemp(f"compression-{backend}")
+    ports = find_free_ports(2)
+    workers = [f"localhost:{port}" for port in ports]
+    spawns = [Spawn(_command(str(root / "gang"), SCENARIOS),
+                    {**worker_env(backend), "TF_CONFIG": json.dumps(
+                        {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})})
+              for index in range(2)]
+    spawns.append(Spawn(_command(str(root / "reference"), ["plain"]) + ["--record-path"], worker_env(backend)))
+    ran = run_processes(spawns, timeout=RUN_TIMEOUT, grace_after_failure=60)
+    assert ran.codes == [0, 0, 0], ran.log()
+    return backend, root
+
+
+def _dump(root, run: str, name: str, index: int) -> dict:
+    return load_dump(os.path.join(root, run, name), index)
+
+
+@pytest.mark.parametrize("compression", ["bf16", "fp16"])
+def test_compressed_workers_are_bit_identical(runs, compression):
+    backend, root = runs
+    first, second = _dump(root, "gang", compression, 0), _dump(root, "gang", compression, 1)
+    assert max_weight_difference(first["final"], second["final"]) == 0.0, backend
+    assert first["history"] == second["history"], backend
+
+
+@pytest.mark.parametrize("compression", ["bf16", "fp16"])
+def test_compressed_training_stays_within_the_16_bit_rounding_bound(runs, compression):
+    backend, root = runs
+    reference = _dump(root, "reference", "plain", 0)
+    with np.load(os.path.join(root, "reference", "plain", "w0.path.npz")) as lengths:
+        path = max(float(lengths[name].max()) for name in lengths.files)
+    bound = SAFETY * 2 * relative_rounding(compression) * path
+    plain = max_weight_difference(_dump(root, "gang", "plain", 0)["final"], reference["final"])
+    compressed = max_weight_difference(_dump(root, "gang", compression, 0)["final"], reference["final"])
+    detail = (f"{backend} {compression}: max |Δw| {compressed:.3g} vs one process, bound {bound:.3g} "
+              f"(max path length {path:.3g}); uncompressed gang {plain:.3g}")
+    print(detail)
+    assert plain <= FLOAT32_NOISE, detail
+    assert FLOAT32_NOISE < compressed <= bound, detail
+
+
+def test_bf16_rounds_coarser_than_fp16(runs):
+    backend, root = runs
+    reference = _dump(root, "reference", "plain", 0)["final"]
+    errors = {name: max_weight_difference(_dump(root, "gang", name, 0)["final"], reference)
+              for name in ("bf16", "fp16")}
+    assert errors["bf16"] > errors["fp16"], (backend, errors)
+
+
+def test_bytes_per_step_halve(runs):
+    backend, root = runs
+    plain = _dump(root, "gang", "plain", 0)["wire_bytes_per_step"]
+    for compression in ("bf16", "fp16"):
+        compressed = _dump(root, "gang", compression, 0)["wire_bytes_per_step"]
+        # The gradients halve exactly; the exact scalars (row counts, metric states: under
+        # 40 bytes here) stay float32, on a model of ~500 gradients (~2000 bytes in float32).
+        assert 0.5 * plain <= compressed <= 0.5 * plain + 40, (backend, compression, plain, compressed)
