@@ -104,6 +104,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m keras_mwms.be
     """Runs the benchmark; exit code 0 when every gang succeeded, 1 otherwise (report still written)."""
     from keras_mwms.benchmark import runner
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["compression"]:   # its own gangs, across two shaped network namespaces
+        from keras_mwms.benchmark import compression
+
+        return compression.main(argv[1:], prog)
     parser = build_parser(prog)
     arguments = parser.parse_args(argv)
     config = config_from_arguments(arguments, parser)
