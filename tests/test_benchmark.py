@@ -121,7 +121,7 @@ def tiny_run(tmp_path_factory):
 def test_tiny_run_prints_the_tables(tiny_run):
     _, stdout, _ = tiny_run
     for title in ("all-reduce, torch, 2 workers", "fit (batch", "per-step sync overhead",
-                  "ratio keras_mwms / native"):
+                  "ratio keras_mwms / native", "alpha-beta fit", "projected step ms"):
         assert title in stdout
     assert "torch DDP loop" in stdout
 
@@ -144,14 +144,19 @@ def test_tiny_run_writes_sane_json(tiny_run):
     assert all(row["allreduce_ms"] > 0 for row in result["overhead"])
     assert all(math.isfinite(number) for number in _numbers(result))
     assert result["threads_per_process"] >= 1
+    scaling = result["scaling"]                      # the alpha-beta model from the 2-worker gang
+    assert scaling["engines"]["torch"]["fitted_from"] == [2] and scaling["engines"]["torch"]["beta_ns"] > 0
+    assert [row["workers"] for row in scaling["measured"]] == [2] and "error_percent" in scaling["measured"][0]
+    assert scaling["projection"] and all(0 < row["efficiency"] <= 1 for row in scaling["projection"])
 
 
 @pytest.mark.torch
 @pytest.mark.slow
 def test_tiny_run_writes_a_png(tiny_run):
     out, _, _ = tiny_run
-    png = (out / "benchmark.png").read_bytes()
-    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    for name in ("benchmark.png", "scaling.png"):
+        png = (out / name).read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
 
 def test_tables_render_missing_values_as_dashes():

@@ -63,6 +63,19 @@ def test_the_fit_finds_the_generating_model_from_the_counts_that_fit_the_cores(s
     assert [entry["factor"] for entry in section["oversubscription"]] == [1.0, 1.5, 2.0]
 
 
+def test_the_one_element_latency_row_stays_out_of_the_fit_when_sizes_suffice():
+    def row(label, size, seconds):
+        return {"label": label, "bytes": size, "time_us": seconds * 1e6}
+
+    ring = [row("sweep", size, cost_model.ring_allreduce_seconds(size, 2, ALPHA, BETA)) for size in (4096, 1 << 20)]
+    fast_latency = row("latency", 4, ALPHA / 2)          # engines shortcut a one-element message
+    engine = scaling.fit_engines({"torch": {2: [fast_latency, *ring]}}, THREADS, CORES)["torch"]
+    assert engine["alpha_us"] == pytest.approx(ALPHA * 1e6) and engine["samples"] == 2
+    assert engine["checks"][0]["error_percent"] == pytest.approx(300.0, rel=1e-3)  # still checked: 4x its time
+    alone = scaling.fit_engines({"torch": {2: [fast_latency, ring[1]]}}, THREADS, CORES)["torch"]
+    assert alone["samples"] == 2 and alone["alpha_us"] < ALPHA * 1e6   # too few sizes: it joins the fit
+
+
 def test_measured_points_carry_the_model_error_and_efficiency(sweep):
     _, section = sweep
     rows = section["measured"]
@@ -80,7 +93,12 @@ def test_projection_covers_8_to_256_workers_at_three_link_speeds(sweep):
     rows = section["projection"]
     assert {row["workers"] for row in rows} == set(cost_model.PROJECTED_WORKERS)
     assert {row["link_gbits"] for row in rows} == set(cost_model.LINK_GBITS)
-    assert len(rows) == 2 * 2 * 3 * 6
+    assert len(rows) == (1 + 2) * 2 * 3 * 6            # (jax serial, torch overlapped + serial) x models x ...
+    assert {(row["backend"], row["form"]) for row in rows if row["primary"]} == {
+        ("jax", "serial"), ("torch", "overlapped")}
+    for overlapped, serial in zip(*([row for row in rows if row["backend"] == "torch" and row["form"] == form]
+                                    for form in ("overlapped", "serial"))):
+        assert overlapped["step_ms"] <= serial["step_ms"]
     assert all(0 < row["efficiency"] <= 1 for row in rows)
     json.dumps(section)                                  # the report's JSON holds it as is
     assert all(math.isfinite(row["step_ms"]) for row in rows)
