@@ -48,11 +48,6 @@ MIXED_PRECISION_TOLERANCE = {"mixed_float16": 5e-4, "mixed_bfloat16": 2e-2}
 # about 10 runs of this script, never when the variant runs alone (the row ledger's finite
 # generator has always been exact). Workers still agree; README "Known gaps" says so.
 RACY_WITH_ONE_PROCESS = {("tensorflow", "generator")}
-# Open (2026-12-05): on TF a shuffled PyDataset ends 0.0914 from plain Keras in the full gang
-# since the mixed-precision variants were added (twice, same value); exact (7e-8) when either the
-# mixed-precision variants or the variants sorted before them are left out. Some state left by
-# that combination in the gang; to bisect. Workers still agree. README "Known gaps".
-INTERMITTENT_WITH_ONE_PROCESS = {("tensorflow", "pydataset_shuffle")}
 # Logs a custom train_step updates once per step (Keras' guide: `loss_tracker.update_state(loss)`)
 # weigh each torch worker's value equally on steps whose global batch splits unevenly, where one
 # process weighs rows: known, warned, and checked by the strict xfail below. (TF scales each
@@ -132,8 +127,6 @@ def test_variant_matches_one_process_of_plain_keras(runs, variant):
     if variant in NOT_COMPARED_WITH_ONE_PROCESS or (runs.backend, variant) in RACY_WITH_ONE_PROCESS:
         return
     delta = common.max_weight_difference(first, runs.reference_weights(variant))
-    if (runs.backend, variant) in INTERMITTENT_WITH_ONE_PROCESS and delta > WEIGHT_TOLERANCE:
-        pytest.xfail(f"{runs.backend} {variant}: {delta:.3g} from plain Keras (known intermittent)")
     print(f"{runs.backend} {variant}: max|Δw| vs one process of plain Keras = {delta:.3g}")
     tolerance = MIXED_PRECISION_TOLERANCE.get(variant, WEIGHT_TOLERANCE)
     assert delta <= tolerance, f"{runs.backend} {variant}: max|Δw| = {delta:.3g} vs plain Keras"

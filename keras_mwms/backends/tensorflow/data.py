@@ -13,6 +13,10 @@ through Keras' `PyDataset` adapter: that adapter's `from_generator` keeps each e
 in a Python generator, and with several workers TF's prefetching iterators lost batches of it
 (README "Known gaps"); a pure function of the element index cannot.
 
+**A PyDataset read by batch index** (`pydataset_read_by_index`): a finite, shuffled or plain
+`keras.utils.PyDataset` in `fit` is `range(num_batches)` mapped by its batch index, the epoch's
+order drawn on the main thread at `on_epoch_begin`, not Keras' `from_generator` pipeline.
+
 **A batch for the model's symbolic build.** Keras pulls one from the epoch iterator, which
 consumes batches of a Python generator and advances shuffles; `batch_without_iterating` gives
 one with the same shapes and dtypes without touching the data.
@@ -26,10 +30,14 @@ False
 
 from __future__ import annotations
 
+import functools
+import random
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from keras_mwms.backends.patches import ObjectState
 from keras_mwms.data import replica_slices
 
 
@@ -198,3 +206,113 @@ def stream_dataset(stream: Any) -> Any:
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     options.deterministic = True
     return tf.data.Dataset.range(2**62).map(load).with_options(options)
+
+
+# -- A PyDataset read by batch index ---------------------------------------------------------
+
+_PY_DATASETS = ObjectState()
+
+
+def read_pydataset_by_index(arguments: dict) -> None:
+    """Marks `fit`'s PyDataset `x` to be read by batch index (`pydataset_read_by_index`).
+
+    Only when `steps_per_epoch` is None: each epoch then reads a fresh iterator made after
+    the epoch began, so an order drawn at `on_epoch_begin` is the one that epoch reads. (With
+    `steps_per_epoch` Keras carries one iterator across epochs; that keeps Keras' path.)
+
+    Example:
+
+    >>> arguments = {"x": [1, 2], "steps_per_epoch": None}
+    >>> read_pydataset_by_index(arguments)   # not a PyDataset: nothing to mark
+    """
+    from keras.utils import PyDataset
+
+    x = arguments.get("x")
+    if isinstance(x, PyDataset) and arguments.get("steps_per_epoch") is None:
+        _PY_DATASETS.of(x).by_index = True
+
+
+def pydataset_read_by_index(original: Callable) -> Callable:
+    """`PyDatasetAdapter.get_tf_dataset`: element `i` of an epoch is `py_dataset[order[i]]`.
+
+    Keras feeds a PyDataset to tf.data through `from_generator`, one Python generator per epoch
+    that draws the epoch's shuffle and walks it in TF's threads. Under a multi-worker strategy
+    that path sometimes ended a shuffled fit differently from one process (the second epoch,
+    whose short batch fell mid-epoch; workers agreed with each other). Here a finite PyDataset
+    without Keras' enqueuer (`workers <= 1`, no multiprocessing) is `range(num_batches)`
+    mapped by a `tf.py_function` of the index alone: the epoch's order is drawn on the main
+    thread when the epoch begins (`pydataset_order_at_epoch_begin`), with Python's `random` as
+    Keras draws it, so every element is a fixed batch whatever TF prefetches. Other
+    PyDatasets (endless, read by Keras' enqueuer, or a fit with `steps_per_epoch`) keep
+    Keras' path.
+
+    Example (a PyDataset `fit` did not mark keeps Keras' dataset):
+
+    >>> import keras, numpy as np
+    >>> from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
+    >>> class Batches(keras.utils.PyDataset):
+    ...     def __len__(self): return 2
+    ...     def __getitem__(self, index): return np.ones((2, 3), "float32"), np.zeros(2, "float32")
+    >>> get_tf_dataset = pydataset_read_by_index(lambda adapter: "Keras' dataset")
+    >>> get_tf_dataset(PyDatasetAdapter(Batches()))
+    "Keras' dataset"
+    """
+    @functools.wraps(original)
+    def get_tf_dataset(self, *args, **kwargs):
+        dataset = original(self, *args, **kwargs)
+        if (self.enqueuer is not None or self.py_dataset.num_batches is None
+                or not _PY_DATASETS.get(self.py_dataset, "by_index", False)):
+            return dataset
+        return _indexed_dataset(self, self._output_signature)
+
+    return get_tf_dataset
+
+
+def pydataset_order_at_epoch_begin(original: Callable) -> Callable:
+    """`PyDatasetAdapter.on_epoch_begin`: also draws the epoch's batch order (main thread).
+
+    Example (an adapter not read by index: only Keras' hook runs, nothing is drawn):
+
+    >>> import random
+    >>> state = random.getstate()
+    >>> on_epoch_begin = pydataset_order_at_epoch_begin(lambda adapter: "Keras' hook")
+    >>> on_epoch_begin(object()), random.getstate() == state
+    ("Keras' hook", True)
+    """
+    @functools.wraps(original)
+    def on_epoch_begin(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if _PY_DATASETS.get(self, "indexed", False):
+            order = list(range(self.py_dataset.num_batches))
+            if self.shuffle:
+                random.shuffle(order)
+            _PY_DATASETS.of(self).order = order
+        return result
+
+    return on_epoch_begin
+
+
+def _indexed_dataset(adapter: Any, signature: Any) -> Any:
+    import tensorflow as tf
+
+    state = _PY_DATASETS.of(adapter)
+    state.indexed = True
+    state.order = list(range(adapter.py_dataset.num_batches))
+    specs = tf.nest.flatten(signature)
+
+    def read(index):
+        batch = adapter._standardize_batch(adapter.py_dataset[state.order[int(index)]])
+        return [np.asarray(leaf, dtype=spec.dtype.as_numpy_dtype)
+                for leaf, spec in zip(tf.nest.flatten(batch), specs)]
+
+    def load(index):
+        tensors = tf.py_function(read, [index], [spec.dtype for spec in specs])
+        for tensor, spec in zip(tensors, specs):
+            tensor.set_shape(spec.shape)
+        return tf.nest.pack_sequence_as(signature, tensors)
+
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    options.deterministic = True
+    dataset = tf.data.Dataset.range(adapter.py_dataset.num_batches).map(load)
+    return dataset.prefetch(tf.data.AUTOTUNE).with_options(options)

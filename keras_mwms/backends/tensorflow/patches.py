@@ -175,6 +175,17 @@ def patch_table(backend: Any) -> PatchTable:
                            "and all-reduces inside a tf.cond: mixed_float16 hangs across workers "
                            "in the first step",
               parameters=("grads", "trainable_variables")),
+        Patch(name="tf-pydataset-read-by-index",
+              target="keras.src.trainers.data_adapters.py_dataset_adapter:PyDatasetAdapter.get_tf_dataset",
+              replacement=data.pydataset_read_by_index,
+              works_around="Keras reads a PyDataset through one Python generator per epoch in "
+                           "TF's threads; a shuffled one sometimes trained the second epoch on "
+                           "other batches than one process on 2 workers"),
+        Patch(name="tf-pydataset-order-at-epoch-begin",
+              target="keras.src.trainers.data_adapters.py_dataset_adapter:PyDatasetAdapter.on_epoch_begin",
+              replacement=data.pydataset_order_at_epoch_begin,
+              works_around="the epoch's batch order of a PyDataset read by index, drawn on the "
+                           "main thread with Python's random as Keras draws it"),
         Patch(name="tf-ledger-train-step",
               target=f"{_TRAINER}:TensorFlowTrainer.make_train_function",
               replacement=_counted_train_function,

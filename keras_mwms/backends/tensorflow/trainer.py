@@ -100,6 +100,8 @@ def _prepare_call(backend: Any, model: Any, method: str, bound: inspect.BoundArg
     if method == "fit" and arguments.get("shuffle", True) and not isinstance(x, tf.data.Dataset):
         # Also on one worker, so that N workers and one process draw the same permutation.
         align_shuffle_seed(backend)
+    if method == "fit":
+        data.read_pydataset_by_index(arguments)
     if method == "fit" and backend.num_workers == 1:
         _resumable_order(backend, model, arguments)
     if backend.num_workers == 1:
