@@ -23,7 +23,9 @@ Modules: `config` (what is measured), `bandwidth` (link probes, ring bound), `al
 (engine timing), `models`, `timing`, `fit` and `peers` (the timed variants), `worker` (one
 worker process), `analysis` (ratios, overhead), `report` (tables, JSON, PNG), `cost_model` (the
 α-β model) and `scaling` (`--workers 2,3,4`: the sweep, the fit, the projection to 256 workers,
-`scaling.png`), `runner` (the driver), `command` (the CLI).
+`scaling.png`), `runner` (the driver), `command` (the CLI), `compression` and
+`compression_worker` (`python -m keras_mwms.benchmark compression --link 1gbit,100mbit`: gradient
+compression across two network namespaces over a tc-shaped veth pair; needs root).
 """
 
 from keras_mwms.benchmark.command import main

@@ -49,7 +49,8 @@ def build_parser(prog: str = "python -m keras_mwms.benchmark") -> argparse.Argum
                     "bandwidth and latency, fit steps/s for one process and N workers, ratios, sync "
                     "overhead and start-up. Prints tables; writes benchmark.json and benchmark.png.",
         epilog="Examples: %(prog)s --quick   |   %(prog)s allreduce --backends torch --workers 2   |   "
-               "%(prog)s fit --width 1024 --depth 4 --out build/bench",
+               "%(prog)s fit --width 1024 --depth 4 --out build/bench   |   gradient compression over tc-shaped "
+               "links (root): %(prog)s compression --link 1gbit,100mbit",
     )
     parser.add_argument("what", nargs="?", default="all", choices=sorted(SECTIONS),
                         help="which measurements (default all)")
