@@ -29,13 +29,13 @@ import shlex
 import numpy as np
 import pytest
 
-from keras_mwms.backends.compression import relative_rounding
+from keras_mwms.backends.compression import WireBytes, relative_rounding, wire_dtype
+from keras_mwms.benchmark import compression as benchmark
+from keras_mwms.communication import COMPRESSION_ENV, CommunicationOptions
 from keras_mwms.launch import find_free_ports
 from tests.multiworker import Spawn, python_worker, run_processes, worker_env
 from tests.workers.common import max_weight_difference
 from tests.workers.fit_scenario import load_dump
-
-pytestmark = [pytest.mark.slow]
 
 RUN_TIMEOUT = 300          # gang + reference of one backend; ~15-25 s alone on 2 cores
 SAFETY = 4                 # C in the module docstring
@@ -73,6 +73,7 @@ def _dump(root, run: str, name: str, index: int) -> dict:
     return load_dump(os.path.join(root, run, name), index)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compression", ["bf16", "fp16"])
 def test_compressed_workers_are_bit_identical(runs, compression):
     backend, root = runs
@@ -81,6 +82,7 @@ def test_compressed_workers_are_bit_identical(runs, compression):
     assert first["history"] == second["history"], backend
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compression", ["bf16", "fp16"])
 def test_compressed_training_stays_within_the_16_bit_rounding_bound(runs, compression):
     backend, root = runs
@@ -97,6 +99,7 @@ def test_compressed_training_stays_within_the_16_bit_rounding_bound(runs, compre
     assert FLOAT32_NOISE < compressed <= bound, detail
 
 
+@pytest.mark.slow
 def test_bf16_rounds_coarser_than_fp16(runs):
     backend, root = runs
     reference = _dump(root, "reference", "plain", 0)["final"]
@@ -105,6 +108,7 @@ def test_bf16_rounds_coarser_than_fp16(runs):
     assert errors["bf16"] > errors["fp16"], (backend, errors)
 
 
+@pytest.mark.slow
 def test_bytes_per_step_halve(runs):
     backend, root = runs
     plain = _dump(root, "gang", "plain", 0)["wire_bytes_per_step"]
@@ -113,3 +117,44 @@ def test_bytes_per_step_halve(runs):
         # The gradients halve exactly; the exact scalars (row counts, metric states: under
         # 40 bytes here) stay float32, on a model of ~500 gradients (~2000 bytes in float32).
         assert 0.5 * plain <= compressed <= 0.5 * plain + 40, (backend, compression, plain, compressed)
+
+
+# -- pure rules (no backend, no processes) ---------------------------------------------------
+def test_options_validate_compression_and_the_environment_overrides_it(monkeypatch):
+    monkeypatch.delenv(COMPRESSION_ENV, raising=False)
+    assert CommunicationOptions().compression is None
+    assert CommunicationOptions(compression="BF16").compression == "bf16"
+    with pytest.raises(ValueError, match="compression='int8' is not a gradient compression.*bf16"):
+        CommunicationOptions(compression="int8")
+    monkeypatch.setenv(COMPRESSION_ENV, "fp16")
+    assert CommunicationOptions().compression == "fp16"
+    monkeypatch.setenv(COMPRESSION_ENV, "none")
+    assert CommunicationOptions(compression="bf16").compression is None
+    monkeypatch.setenv(COMPRESSION_ENV, "half")
+    with pytest.raises(ValueError, match=f"{COMPRESSION_ENV}='half'"):
+        CommunicationOptions()
+
+
+def test_only_wide_float_gradients_are_compressed():
+    assert [wire_dtype("bf16", dtype) for dtype in ("float32", "float64", "float16", "bfloat16", "int32")] == [
+        "bfloat16", "bfloat16", None, None, None]
+    assert wire_dtype(None, "float32") is None
+
+
+def test_wire_bytes_counts_issued_and_traced_collectives():
+    counter = WireBytes()
+    for _ in range(4):
+        counter.add(1000)
+    counter.trace("rows", 4)
+    counter.trace("rows", 4)        # a retrace replaces, it does not add
+    assert counter.per_step(steps=4) == 1004
+    counter.reset()
+    assert counter.per_step(steps=1) == 0
+
+
+def test_benchmark_skips_without_root_and_rejects_bad_rates(monkeypatch, capsys):
+    monkeypatch.setattr(benchmark.os, "geteuid", lambda: 1000)
+    assert benchmark.main(["--link", "1gbit"]) == 0
+    assert "skipped: network namespaces and tc need root" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        benchmark.main(["--link", "fast"])

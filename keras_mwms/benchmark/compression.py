@@ -174,8 +174,10 @@ HEADERS = ["link", "backend", "compression", "ms/step", "speed-up", "wire MB/ste
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"{prog} compression", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--link", type=lambda text: [part for part in text.split(",") if part.strip()],
-                        default=["1gbit", "100mbit"], help="tc rates, comma-separated (default 1gbit,100mbit)")
+    parser.add_argument("--link", type=lambda text: [(part.strip(), parse_rate(part)) for part in text.split(",")
+                                                     if part.strip()],
+                        default=[("1gbit", 10 ** 9), ("100mbit", 10 ** 8)],
+                        help="tc rates, comma-separated (default 1gbit,100mbit)")
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated (default all three)")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per fit (default 6)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed first steps (default 2)")
@@ -191,7 +193,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m keras_mwms.be
     """Runs the measurement; prints the table and writes compression.json under --out."""
     parser = build_parser(prog)
     arguments = parser.parse_args(argv)
-    links = [(text, parse_rate(text)) for text in arguments.link]
+    links = arguments.link
     backends = [name.strip() for name in arguments.backends.split(",") if name.strip()]
     unknown = sorted(set(backends) - set(BACKENDS))
     if unknown:
