@@ -135,3 +135,17 @@ def test_workers_option_errors_say_what_to_fix(text, message, capsys):
     with pytest.raises(SystemExit):
         command.config_from_arguments(parser.parse_args(["--workers", text]), parser)
     assert message in capsys.readouterr().err
+
+
+def test_an_all_reduce_only_run_fits_but_projects_nothing(tmp_path):
+    config = quick_config(backends=("jax", "torch"), sections=("allreduce",), scaling_workers=(3,))
+    gangs = [_gang("jax", 2, "keras_mwms", [("sweep", 4096), ("sweep", 1 << 20)]),
+             _gang("torch", 2, "keras_mwms", [("latency", 4)])]          # one size: alpha and beta unknowable
+    section = scaling.analyse(gangs, [], config, {"cores": CORES, "loopback_tcp_bytes_per_second": LOOPBACK},
+                              THREADS)
+    assert section["engines"]["jax"]["alpha_us"] == pytest.approx(ALPHA * 1e6, rel=1e-4)
+    assert "at least 2 all-reduce rows" in section["engines"]["torch"]["error"]
+    assert section["measured"] == [] and section["projection"] == []
+    printed = scaling.text(section)
+    assert "no fit: fit_alpha_beta needs" in printed and "projected step ms" not in printed
+    assert scaling.write_plot(section, "test machine", tmp_path) is None
