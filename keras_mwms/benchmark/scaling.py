@@ -10,9 +10,9 @@ processes share cores, and the report says so for every count.
 From the run, `analyse` builds the report's `scaling` section (`keras_mwms.benchmark.cost_model`
 has the formulas and why):
 
-* per backend, α and β fitted to the all-reduce rows (latency, sweep, gradient sizes) of the
-  counts that are not oversubscribed (all counts when every one is), and the model's error on
-  every measured all-reduce row;
+* per backend, α and β fitted to the all-reduce rows (the sweep's and the gradients' sizes; the
+  4-byte latency row only when fewer than two sizes were measured) of the counts that are not
+  oversubscribed (all counts when every one is), and the model's error on every all-reduce row;
 * per backend, model and measured count: the step time (1 ÷ steps/s), the weak-scaling
   efficiency (one process's step on the per-worker batch ÷ it), and the model's prediction
   at that point — compute × oversubscription + ring all-reduce (serial), and max(compute ×
@@ -70,7 +70,7 @@ def _ok(gangs: Sequence[dict]) -> list[dict]:
     return [gang for gang in gangs if gang.get("ok") and gang.get("results")]
 
 
-def allreduce_by_count(gangs: Sequence[dict], link_bandwidth: float) -> dict[str, dict[int, list[dict]]]:
+def _allreduce_by_count(gangs: Sequence[dict], link_bandwidth: float) -> dict[str, dict[int, list[dict]]]:
     """Per backend and worker count, the merged all-reduce rows of the keras_mwms gangs."""
     tables: dict[str, dict[int, list[dict]]] = {}
     for gang in _ok(gangs):
@@ -154,7 +154,7 @@ def messages_per_step(backend: str, gradient_bytes: int) -> int:
     return 2 if backend == "tensorflow" else 1
 
 
-def measured_rows(fits: Sequence[dict], config: BenchmarkConfig, engines: dict[str, dict], threads: int,
+def _measured_rows(fits: Sequence[dict], config: BenchmarkConfig, engines: dict[str, dict], threads: int,
                   cores: int) -> list[dict]:
     """Per backend, model and measured count: measured step and efficiency, and the model's."""
     index = {(row["backend"], row["model"], row["workers"], row["global_batch"]): row
@@ -195,7 +195,7 @@ def measured_rows(fits: Sequence[dict], config: BenchmarkConfig, engines: dict[s
     return rows
 
 
-def projection_rows(fits: Sequence[dict], config: BenchmarkConfig, engines: dict[str, dict],
+def _projection_rows(fits: Sequence[dict], config: BenchmarkConfig, engines: dict[str, dict],
                     loopback_bytes_per_second: float,
                     workers: Sequence[int] = cost_model.PROJECTED_WORKERS) -> list[dict]:
     """Step time and efficiency per backend, model, link speed and count (one worker per machine)."""
@@ -235,10 +235,36 @@ ASSUMPTIONS = (
 
 def analyse(gangs: Sequence[dict], fits: Sequence[dict], config: BenchmarkConfig, machine: dict,
             threads: int) -> dict:
-    """The report's `scaling` section (see the module docstring)."""
+    """The report's `scaling` section (see the module docstring); `text` prints it.
+
+    Example: a 2-worker JAX run whose all-reduce follows α = 100 µs, β = 1 ns/B exactly, and
+    whose MLP step takes 20 ms alone and 30 ms with 2 workers.
+
+    >>> from keras_mwms.benchmark.config import quick_config
+    >>> config = quick_config(backends=("jax",), workers=2)
+    >>> rows = [{"label": "sweep", "bytes": size, "iterations": 3, "correct": True,
+    ...          "seconds": cost_model.ring_allreduce_seconds(size, 2, alpha=1e-4, beta=1e-9)}
+    ...         for size in (4096, 1 << 20)]
+    >>> gang = {"ok": True, "backend": "jax", "workers": 2, "role": "keras_mwms",
+    ...         "results": [{"worker_index": index, "allreduce": rows} for index in (0, 1)]}
+    >>> fits = [{"backend": "jax", "model": "mlp", "workers": workers, "variant": "keras_mwms",
+    ...          "global_batch": batch, "steps_per_second": speed}
+    ...         for workers, batch, speed in ((1, 128, 50.0), (2, 256, 1 / 0.030))]
+    >>> section = analyse([gang], fits, config, {"cores": 2, "loopback_tcp_bytes_per_second": 4e9}, 1)
+    >>> engine = section["engines"]["jax"]
+    >>> round(engine["alpha_us"], 1), round(engine["beta_ns"], 3)
+    (100.0, 1.0)
+    >>> point = section["measured"][0]   # 20 ms + 2 x 100 us + 0.34 MB of gradients at 1 ns/B
+    >>> round(point["measured_efficiency"], 3), round(point["predicted_ms"], 2), round(point["error_percent"], 1)
+    (0.667, 20.54, -31.5)
+    >>> [(row["workers"], round(row["efficiency"], 2)) for row in section["projection"][:2]]
+    [(8, 0.9), (16, 0.83)]
+    >>> print(text(section).splitlines()[0])
+    scaling sweep, weak scaling at 128 examples per worker: n=2: 2 processes x 1 thread(s) = 2 on 2 cores
+    """
     cores = machine["cores"]
     loopback = machine["loopback_tcp_bytes_per_second"]
-    engines = fit_engines(allreduce_by_count(gangs, loopback), threads, cores)
+    engines = fit_engines(_allreduce_by_count(gangs, loopback), threads, cores)
     counts = worker_counts(config)
     return {
         "cores": cores, "threads_per_process": threads, "worker_counts": list(counts),
@@ -246,9 +272,9 @@ def analyse(gangs: Sequence[dict], fits: Sequence[dict], config: BenchmarkConfig
         "oversubscription": [{"workers": n, "threads": n * threads,
                               "factor": cost_model.oversubscription(n, threads, cores)} for n in counts],
         "engines": engines,
-        "measured": measured_rows(fits, config, engines, threads, cores),
-        "projection": projection_rows(fits, config, engines, loopback),
-        "plot_projection": projection_rows(fits, config, engines, loopback, workers=PLOT_WORKERS),
+        "measured": _measured_rows(fits, config, engines, threads, cores),
+        "projection": _projection_rows(fits, config, engines, loopback),
+        "plot_projection": _projection_rows(fits, config, engines, loopback, workers=PLOT_WORKERS),
         "link_gbits": list(cost_model.LINK_GBITS),
         "assumptions": ASSUMPTIONS,
     }
@@ -259,7 +285,7 @@ def _percent(value: float | None) -> str | None:
 
 
 def text(section: dict) -> str:
-    """The scaling tables as printed on stdout."""
+    """The scaling tables as printed on stdout (example: `analyse`)."""
     cores, threads = section["cores"], section["threads_per_process"]
     loads = ", ".join(
         f"n={entry['workers']}: {entry['workers']} processes x {threads} thread(s) = {entry['threads']} on "
@@ -311,7 +337,12 @@ def text(section: dict) -> str:
 
 
 def write_plot(section: dict, description: str, out_dir: Path) -> Path | None:
-    """Writes `scaling.png`: per backend, step time and efficiency against workers."""
+    """Writes `scaling.png`: per backend, step time and efficiency against workers; None if nothing to plot.
+
+    Example (nothing measured, nothing drawn):
+
+    >>> write_plot({"plot_projection": []}, "this machine", Path("."))
+    """
     backends = sorted({row["backend"] for row in section["plot_projection"]},
                       key=lambda name: ("tensorflow", "jax", "torch").index(name) if name in
                       ("tensorflow", "jax", "torch") else 9)
