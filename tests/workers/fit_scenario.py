@@ -69,9 +69,13 @@ FLAGS.add_argument("--kill-after-batch", type=int, default=5)
 FLAGS.add_argument("--compression", default=None, choices=["bf16", "fp16"],
                    help="CommunicationOptions(compression=...) for this scenario; the dump then holds "
                         "wire_bytes_per_step either way")
+FLAGS.add_argument("--no-torch-overlap", action="store_true",
+                   help="CommunicationOptions(torch_overlap=False): torch reduces gradients after backward")
 FLAGS.add_argument("--record-path", action="store_true",
                    help="dump w<i>.path.npz: per weight, the sum over steps of |weight change| (the "
                         "scale of compression's rounding bound)")
+FLAGS.add_argument("--accumulation", type=int, default=None,
+                   help="the optimizer's gradient_accumulation_steps; the dump then counts collectives by kind")
 FLAGS.add_argument("--seconds-per-batch", type=float, default=0.0,
                    help="sleep after every batch, so a fault lands mid-epoch")
 
@@ -150,10 +154,12 @@ def build_model(arguments, outputs: int, loss, metrics):
                          "(the DataParallel path normalizes over the global batch anyway)")
     model = common.mlp(outputs, batch_norm=arguments.batch_norm is not None, dropout=arguments.dropout,
                        synchronized=synchronized)
+    accumulation = {"gradient_accumulation_steps": arguments.accumulation} if arguments.accumulation else {}
     if arguments.optimizer == "sgd":
-        optimizer = keras.optimizers.SGD(arguments.learning_rate or 0.05, momentum=arguments.momentum)
+        optimizer = keras.optimizers.SGD(arguments.learning_rate or 0.05, momentum=arguments.momentum,
+                                         **accumulation)
     else:
-        optimizer = keras.optimizers.Adam(arguments.learning_rate or 1e-2)
+        optimizer = keras.optimizers.Adam(arguments.learning_rate or 1e-2, **accumulation)
     model.compile(optimizer=optimizer, loss=loss, metrics=metrics, steps_per_execution=arguments.steps_per_execution,
                   jit_compile=True if arguments.jit_compile else "auto")
     return model
@@ -313,7 +319,10 @@ def run_scenario(strategy, out: str, arguments) -> None:
     x, y = data(arguments.rows)
     import dataclasses
 
-    strategy.backend.options = dataclasses.replace(strategy.backend.options, compression=arguments.compression)
+    changes = {"compression": arguments.compression}
+    if arguments.no_torch_overlap:
+        changes["torch_overlap"] = False
+    strategy.backend.options = dataclasses.replace(strategy.backend.options, **changes)
     with strategy.scope():
         model = build_model(arguments, outputs, loss, metrics)
     os.makedirs(out, exist_ok=True)
@@ -331,11 +340,16 @@ def run_scenario(strategy, out: str, arguments) -> None:
     from keras_mwms.backends.compression import WIRE
 
     WIRE.reset()
+    from keras_mwms.diagnostics import LEDGER
+
+    collectives_before = dict(LEDGER.kinds)
     started = time.time()
     history = model.fit(**fit_kwargs, epochs=arguments.epochs, steps_per_epoch=arguments.steps_per_epoch,
                         callbacks=callbacks, verbose=verbose)
     fit_seconds = time.time() - started
     wire_bytes_per_step = WIRE.per_step(sum(recorder.batches))
+    collectives = {kind: count - collectives_before.get(kind, 0) for kind, count in LEDGER.kinds.items()
+                   if count > collectives_before.get(kind, 0)}
 
     evaluate_batch_size = arguments.evaluate_batch_size or arguments.batch_size
     if arguments.evaluate_on == "holdout":
@@ -361,6 +375,7 @@ def run_scenario(strategy, out: str, arguments) -> None:
         predict_shape=list(prediction.shape),
         fit_seconds=fit_seconds,
         wire_bytes_per_step=wire_bytes_per_step,
+        fit_collectives=collectives,
         **backend_details(strategy, model),
     )
     if arguments.primitives:
