@@ -295,6 +295,26 @@ def float16_gradients(model: Any, variables: list | None = None) -> list[bool]:
 # -- the collective engine ----------------------------------------------------------------
 
 
+def accumulation_steps(optimizer: Any) -> int:
+    """K when `optimizer` accumulates gradients in one all-reduce per optimizer step, else 0.
+
+    A plain Keras optimizer with `gradient_accumulation_steps=K`: its micro-steps keep their
+    gradients local and the K-th all-reduces their sum (torch, the JAX flat path). A
+    `LossScaleOptimizer` (it decides overflow on each micro-step's all-reduced gradient) and
+    Keras' `MultiOptimizer` all-reduce every micro-step instead.
+
+    Example:
+
+    >>> from types import SimpleNamespace as Optimizer
+    >>> accumulation_steps(Optimizer(gradient_accumulation_steps=4)), accumulation_steps(Optimizer())
+    (4, 0)
+    """
+    steps = getattr(optimizer, "gradient_accumulation_steps", None)
+    if not steps or type(optimizer).__name__ in ("LossScaleOptimizer", "MultiOptimizer"):
+        return 0
+    return int(steps)
+
+
 def choose_implementation(requested: Any, gpu_count: int, backend: str, ring_engine: str,
                           nccl_usable: bool | None = None) -> Any:
     """RING or NCCL for a requested `CommunicationImplementation`: the rule every backend follows.

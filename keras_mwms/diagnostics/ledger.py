@@ -96,6 +96,7 @@ class _Collective:
         if self.outermost:
             seconds = time.monotonic() - self.started
             ledger.entries.append(ledger.current._replace(seconds=seconds))
+            ledger.kinds[self.kind] += 1
             ledger.current = None
             ledger.totals["collective"] += seconds
             if ledger.in_step:
@@ -193,6 +194,7 @@ class Ledger:
         self.data_thread: int | None = None
         self.main_thread = threading.main_thread().ident
         self.totals = {"data": 0.0, "compute": 0.0, "collective": 0.0, "steps": 0}
+        self.kinds: collections.Counter[str] = collections.Counter()   # collectives left, by kind
         self._depth = 0
         self._step_excluded = 0.0
 

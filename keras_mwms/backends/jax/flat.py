@@ -209,6 +209,12 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
     gradients, other states (max/min/first) are all-gathered. `guard(call)` runs a collective
     and turns a lost peer into `WorkerLostError`; `all_gather` stacks host arrays of all workers.
     `compression` (`CommunicationOptions.compression`) sends float32 gradients in 16 bits.
+
+    With `gradient_accumulation_steps=K` (`policy.accumulation_steps`, uncompressed) a
+    micro-step all-reduces only its row count, statistics and metric states (labelled
+    `guard(call, "row all-reduce")`) and hands Keras this worker's share `rows · g / R` to
+    accumulate; the K-th also all-reduces accumulators + share once and zeroes the
+    accumulators, so Keras applies `Σ_k g_k / K`, one process's update, bit-identical everywhere.
     """
     import jax
     import jax.numpy as jnp
@@ -238,6 +244,10 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
     share = 1.0 / jax.process_count() if scaled_loss else 1.0
     # ... and a summed gradient one process computes in float16 is inf beyond float16's range.
     in_float16 = policy.float16_gradients(model) if scaled_loss else [False] * len(model.trainable_variables)
+    # Gradient accumulation: micro-steps keep their gradients local, the K-th all-reduces the sum.
+    accumulating = policy.accumulation_steps(optimizer) if not wires else 0
+    iterations_position = next(
+        (i for i, variable in enumerate(optimizer.variables) if variable is optimizer._iterations), None)
 
     def loss_share(*args, **kwargs):
         loss, aux = model.compute_loss_and_updates(*args, **kwargs)
@@ -254,7 +264,8 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
         metrics = [jnp.where(rows > 0, new, old) for new, old in zip(new_metrics, metrics)]
         pieces: dict[str, list] = {dtype: [] for dtype in dtypes}
         wire_pieces: dict[str, list] = {dtype: [] for dtype in wires}
-        for grad in grads:
+        local_grads = [grad * rows.astype(grad.dtype) for grad in grads] if accumulating else []
+        for grad in grads if not accumulating else ():
             (wire_pieces if str(grad.dtype) in wires else pieces)[str(grad.dtype)].append(
                 (grad * (rows / share).astype(grad.dtype)).ravel())
         for i in statistics:
@@ -265,7 +276,7 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
         pieces["float32"].append(rows.reshape(1))
         payloads = tuple(jnp.concatenate(pieces[dtype]) for dtype in dtypes)
         compressed = tuple(_to_wire(jnp.concatenate(wire_pieces[dtype]), wire) for dtype, wire in wires.items())
-        return payloads + compressed, non_trainable, metrics, logs, [metrics[i] for i in gathered]
+        return payloads + compressed, non_trainable, metrics, logs, [metrics[i] for i in gathered], local_grads
 
     def _to_wire(flat, wire):
         # bf16 travels as its bits in an all-gather (XLA on CPU would widen a bf16 all-reduce).
@@ -281,7 +292,8 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
             total = total + part
         return total.astype(dtype)
 
-    def apply_part(trainable, non_trainable, optimizer_variables, metrics, sums, reduced_gathered):
+    def apply_part(trainable, non_trainable, optimizer_variables, metrics, sums, reduced_gathered,
+                   accumulated=None, update=False):
         by_dtype = dict(zip(dtypes, sums))
         # The compressed gradients, back in their own dtype, under ("gradients", dtype).
         by_dtype.update({("gradients", dtype): _from_wire(reduced, dtype, wire)
@@ -300,7 +312,15 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
                 flat = flat / total_rows.astype(flat.dtype)
             return flat.reshape(like.shape)
 
-        grads = [take(variable, gradient=True) for variable in trainable]
+        if accumulated is None:
+            grads = [take(variable, gradient=True) for variable in trainable]
+        elif update:   # Σ_w (accumulator + share): Keras adds its zeroed accumulators, divides by K
+            grads = _unflatten(accumulated, trainable)
+            optimizer_variables = list(optimizer_variables)
+            for position in accumulator_positions():
+                optimizer_variables[position] = jnp.zeros_like(optimizer_variables[position])
+        else:          # this worker's share: Keras adds it to its accumulators
+            grads = [grad / total_rows.astype(grad.dtype) for grad in accumulated]
         grads = [jnp.where(jnp.abs(grad) >= policy.FLOAT16_OVERFLOW, jnp.inf, grad) if flagged else grad
                  for grad, flagged in zip(grads, in_float16)]
         non_trainable = list(non_trainable)
@@ -325,7 +345,34 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
     # from numpy are "uncommitted", step outputs are "committed") compile the step three times.
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     local_jit = jax.jit(local_part, in_shardings=device, out_shardings=device)
-    apply_jit = jax.jit(apply_part, donate_argnums=(0, 1, 2), in_shardings=device, out_shardings=device)
+    apply_jit = jax.jit(apply_part, donate_argnums=(0, 1, 2), static_argnums=(7,), in_shardings=device,
+                        out_shardings=device)
+
+    def accumulator_positions() -> list[int]:
+        # Where each trainable variable's accumulator sits in the optimizer's variables.
+        position = {id(variable): i for i, variable in enumerate(optimizer.variables)}
+        return [position[id(optimizer._accumulated_gradients[optimizer._get_variable_index(variable)])]
+                for variable in model.trainable_variables]
+
+    def update_payload(local_grads, sums, optimizer_variables):
+        # This worker's accumulators plus its share of the last micro-step, one vector per dtype.
+        total_rows = sums[dtypes.index("float32")][-1]
+        flat: dict[str, list] = {}
+        for grad, position in zip(local_grads, accumulator_positions()):
+            total = grad / total_rows.astype(grad.dtype) + optimizer_variables[position]
+            flat.setdefault(str(grad.dtype), []).append(total.ravel())
+        return [jnp.concatenate(pieces) for pieces in flat.values()]
+
+    def _unflatten(vectors, like):
+        offsets = {str(vector.dtype): [vector, 0] for vector in vectors}
+        out = []
+        for variable in like:
+            slot = offsets[str(variable.dtype)]
+            out.append(slot[0][slot[1]:slot[1] + variable.size].reshape(variable.shape))
+            slot[1] += variable.size
+        return out
+
+    payload_jit = jax.jit(update_payload, in_shardings=device, out_shardings=device)
 
     def train_step(state, data):
         with LEDGER.train_step(caller=3):   # Keras' iterator_step, then fit/train_on_batch
@@ -337,18 +384,28 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
         rows = policy.rows_of(x)
         if rows == 0:   # no rows of a short last batch: one zero-weight row joins the collectives
             x, y, sample_weight = policy.dummy_row(x), policy.dummy_row(y), np.zeros((1,), np.float32)
-        payloads, new_non_trainable, new_metrics, logs, local_gathered = local_jit(
+        payloads, new_non_trainable, new_metrics, logs, local_gathered, local_grads = local_jit(
             trainable, non_trainable, optimizer_variables, metrics, x, y, sample_weight, np.float32(rows))
         # Waited for inside the guard (the apply needs it next anyway): the ledger then times
         # the all-reduce itself, not JAX's asynchronous dispatch of it.
-        sums = guard(lambda: jax.block_until_ready(
+        reduce = (lambda call: guard(call, "row all-reduce")) if accumulating else guard
+        sums = reduce(lambda: jax.block_until_ready(
             [collectives.all_reduce_sum(payload) for payload in payloads[:len(dtypes)]]
             + [collectives.all_gather(payload) if wire == "bfloat16" else collectives.all_reduce_sum(payload)
                for payload, wire in zip(payloads[len(dtypes):], wires.values())]))
         WIRE.add(sum(payload.size * payload.dtype.itemsize for payload in payloads))
         reduced = guard(lambda: gather_and_reduce(local_gathered)) if gathered else []
+        accumulated, update = None, False
+        if accumulating:
+            accumulated = local_grads
+            update = (int(optimizer_variables[iterations_position]) + 1) % accumulating == 0
+            if update:
+                payload = payload_jit(local_grads, sums, optimizer_variables)
+                accumulated = guard(lambda: jax.block_until_ready(
+                    [collectives.all_reduce_sum(vector) for vector in payload]))
+                WIRE.add(sum(vector.size * vector.dtype.itemsize for vector in payload))
         trainable, new_non_trainable, optimizer_variables, global_logs = apply_jit(
-            trainable, new_non_trainable, optimizer_variables, new_metrics, sums, reduced)
+            trainable, new_non_trainable, optimizer_variables, new_metrics, sums, reduced, accumulated, update)
         # Batch logs are global, as on TensorFlow and torch: callbacks that stop on a logged value
         # (TerminateOnNaN, a batch-level EarlyStopping) decide alike on every worker. Local logs
         # let one worker stop a step early and the others hang in the next collective.

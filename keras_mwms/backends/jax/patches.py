@@ -344,7 +344,8 @@ def _flat_function(attribute: str, build):
 def _flat_train_step(backend, model):
     """Keras' jitted step split around one flat gradient all-reduce."""
     return flat.make_flat_train_step(
-        model, backend.collectives, lambda call: backend.faults.guard("gradient all-reduce", call),
+        model, backend.collectives,
+        lambda call, where="gradient all-reduce": backend.faults.guard(where, call),
         backend.all_gather, compression=backend.options.compression)
 
 

@@ -28,7 +28,7 @@ import torch
 
 from keras_mwms.backends import policy
 from keras_mwms.backends.compression import WIRE, wire_dtype
-from keras_mwms.backends.torch import metrics
+from keras_mwms.backends.torch import accumulation, metrics
 from keras_mwms.backends.torch.state import STATE
 
 if TYPE_CHECKING:
@@ -155,6 +155,10 @@ def averaged_over_workers(backend: TorchEngine, model, grads: list, variables=No
                 return [None if grad is None else total.div_(total_weight)
                         for grad, total in zip(grads, summed)]
             return _average_overlapped(backend, grads, summed, statistics, weight, rows)
+    steps = policy.accumulation_steps(getattr(model, "optimizer", None))
+    if steps:   # one gradient all-reduce per optimizer step (`keras_mwms.backends.torch.accumulation`)
+        return accumulation.accumulate(backend, model.optimizer, steps, grads, variables, statistics,
+                                       reduce_gradients)
     # A custom step's gradients are those of its shard's mean loss: weight them by the rows.
     row_scale = 1.0 if backend.loss_weight is not None else rows
     weight = backend.loss_weight if backend.loss_weight is not None else rows
@@ -202,6 +206,16 @@ def _average_overlapped(backend: TorchEngine, grads: list, summed: list, statist
     for offset, variable in enumerate(statistics):
         variable.value.data.copy_(reduced[offset] / total_rows)
     return [None if grad is None else total.div_(total_weight) for grad, total in zip(grads, summed)]
+
+
+def reduce_gradients(backend: TorchEngine, tensors: list) -> list:
+    """Sums gradients across workers in one bucketed all-reduce (16-bit under compression)."""
+    if backend.options.compression and backend.distributed:
+        summed = compressed_all_reduce(backend, tensors)
+    else:
+        summed = backend.all_reduce_flat(tensors, what="gradient all-reduce")
+    WIRE.add(sum(_wire_bytes(backend, tensor) for tensor in tensors))
+    return summed
 
 
 def compressed_all_reduce(backend: TorchEngine, tensors: list) -> list:

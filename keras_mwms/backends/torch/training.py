@@ -105,6 +105,8 @@ def overlap_enabled(model, backend: TorchEngine) -> bool:
 
     if not backend.options.torch_overlap:
         return False
+    if policy.accumulation_steps(getattr(model, "optimizer", None)):
+        return False   # micro-steps reduce no gradients (`keras_mwms.backends.torch.accumulation`)
     return not model.jit_compile and type(model).train_step is TorchTrainer.train_step
 
 

@@ -1,0 +1,96 @@
+"""Gradient accumulation on torch: one gradient all-reduce per optimizer step, not per micro-step.
+
+With `optimizer = keras.optimizers.SGD(..., gradient_accumulation_steps=K)` one process adds
+each micro-step's mean gradient `g_k` to Keras' accumulators and, every K-th micro-step,
+applies `(g_1 + … + g_K) / K`. Across workers `g_k = Σ_w rows_wk · g_wk / R_k` (`R_k`: the
+micro-step's global rows), so each worker adds its own share `rows_wk · g_wk / R_k` to its
+accumulators (`local_share`) and only the K-th micro-step all-reduces the accumulated
+gradient (`accumulated_sum`): `Σ_w (acc_w + share_w) = g_1 + … + g_K` exactly as one process
+weighs its micro-batches, uneven and empty shards included. Keras then divides by K, clips and
+applies as usual; its accumulators are zeroed first, so `(sum + 0) / K` is the same float on
+every worker and workers stay bit-identical.
+
+Every micro-step still all-reduces its row count and unsynchronized BatchNormalization moving
+statistics (a few floats: `R_k` is needed before the share can be added) and, as without
+accumulation, its metric states (batch logs stay global). Between optimizer steps the
+accumulators are per worker (each holds its share), as DDP's `no_sync` leaves `.grad`.
+
+Not on this path (every micro-step all-reduces the gradient, still exact): a
+`LossScaleOptimizer` (it skips steps on the all-reduced gradient's overflow) and Keras'
+`MultiOptimizer`.
+
+`keras_mwms.backends.policy.accumulation_steps` says whether an optimizer takes this path.
+
+Example (what one worker adds for a micro-step: its rows' share of the global gradient):
+
+>>> import torch
+>>> local_share([torch.tensor([4.0, 8.0])], row_scale=1.0, total_weight=32.0)[0].tolist()
+[0.125, 0.25]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from keras_mwms.backends.compression import WIRE
+
+if TYPE_CHECKING:
+    from keras_mwms.backends.torch.engine import TorchEngine
+
+
+def is_update_step(optimizer: Any, steps: int) -> bool:
+    """Whether this micro-step applies the accumulated gradient (Keras' own test)."""
+    return (int(optimizer._iterations.value.item()) + 1) % steps == 0
+
+
+def local_share(grads: list, row_scale: float, total_weight: float) -> list:
+    """This worker's share of the micro-step's global gradient: `grad · row_scale / total_weight`."""
+    return [None if grad is None else grad * (row_scale / total_weight) for grad in grads]
+
+
+@torch.no_grad()
+def accumulate(backend: TorchEngine, optimizer: Any, steps: int, grads: list, variables: list | None,
+               statistics: list, reduce_gradients: Callable[[TorchEngine, list], list]) -> list:
+    """The gradients Keras' accumulating `apply` should see on this worker (module docstring).
+
+    A micro-step before the K-th returns this worker's share (Keras adds it to its
+    accumulators); the K-th returns `Σ_w (acc_w + share_w)` after one all-reduce and zeroes
+    the accumulators. `reduce_gradients(backend, tensors)` sums gradients across workers
+    (`gradients.reduce_gradients`: compressed when the options say so).
+    """
+    rows = float(backend.step_rows)
+    has_rows = rows > 0
+    row_scale = 1.0 if backend.loss_weight is not None else rows
+    weight = backend.loss_weight if backend.loss_weight is not None else rows
+    backend.loss_weight = None
+    present = [grad for grad in grads if grad is not None]
+    reference = present[0] if present else torch.zeros(())
+    small = [variable.value.data * rows if has_rows else torch.zeros_like(variable.value.data)
+             for variable in statistics]
+    small.append(torch.tensor([weight, rows], dtype=reference.dtype, device=reference.device))
+    reduced = backend.all_reduce_flat(small, what="row all-reduce")
+    WIRE.add(sum(tensor.numel() * tensor.element_size() for tensor in small))
+    total_weight, total_rows = float(reduced[-1][0]), reduced[-1][1]
+    for variable, total in zip(statistics, reduced[:-1]):
+        variable.value.data.copy_(total / total_rows)
+    if not has_rows:
+        grads = [None if grad is None else torch.zeros_like(grad) for grad in grads]
+    shares = local_share(grads, row_scale, total_weight or 1.0)
+    if not is_update_step(optimizer, steps):
+        return shares
+    if variables is None:
+        variables = optimizer._trainable_variables
+    accumulators = [optimizer._accumulated_gradients[optimizer._get_variable_index(variable)]
+                    for variable in variables]
+    present_slots = [i for i, share in enumerate(shares) if share is not None]
+    payload = [shares[i] + accumulators[i].value.data for i in present_slots]
+    summed = reduce_gradients(backend, payload)
+    for accumulator in accumulators:
+        accumulator.value.data.zero_()
+    result = list(shares)
+    for slot, i in enumerate(present_slots):
+        result[i] = summed[slot]
+    return result

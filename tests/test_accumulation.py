@@ -1,0 +1,93 @@
+"""Gradient accumulation (`gradient_accumulation_steps=K`) with real 2-worker gangs.
+
+Per backend one run of `tests/workers/fit_scenario.py` as a gang of 2 on localhost serves two
+scenarios in the same processes, and the same scenarios run alongside as one process without
+TF_CONFIG (the reference):
+
+* `k2`: SGD with momentum, K = 2;
+* `k3`: Adam, K = 3, so accumulation windows straddle the epoch boundary.
+
+Both on 200 rows in global batches of 31: full batches split 16/15 between the workers and a
+short last batch of 14 rows, so the row weighting of uneven micro-batches is exercised (one
+process weighs each micro-batch's mean gradient alike, `(g_1 + … + g_K) / K`). The tests assert
+workers bit-identical, within 1e-5 of one process, the same optimizer step count, and, where
+the backend all-reduces once per optimizer step (torch, the JAX flat path), the ledger's count
+of gradient all-reduces: one per K micro-steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+
+import pytest
+
+from keras_mwms.launch import find_free_ports
+from tests.multiworker import Spawn, python_worker, run_processes, worker_env
+from tests.workers.common import max_weight_difference
+from tests.workers.fit_scenario import load_dump
+
+RUN_TIMEOUT = 300          # gang + reference of one backend; ~25-45 s alone on 2 cores
+TOLERANCE = 1e-5
+BASE = ["--verbose", "0", "--seed", "100", "--rows", "200", "--batch-size", "31"]
+SCENARIOS = {"k2": ["--accumulation", "2"], "k3": ["--accumulation", "3", "--optimizer", "adam"]}
+STEPS = {"k2": 2, "k3": 3}
+MICRO_STEPS = 14           # 2 epochs of ceil(200 / 31) = 7 batches
+BACKENDS = [pytest.param("tensorflow", marks=pytest.mark.tensorflow),
+            pytest.param("jax", marks=pytest.mark.jax),
+            pytest.param("torch", marks=pytest.mark.torch)]
+
+
+def _command(out: str) -> list[str]:
+    scenarios = [part for name, flags in SCENARIOS.items() for part in ("--scenario", f"{name}: {shlex.join(flags)}")]
+    return python_worker("fit_scenario.py", out, *BASE, *scenarios)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def runs(request, tmp_path_factory):
+    """The backend's gang (both scenarios) and the one-process reference, run at the same time."""
+    backend = request.param
+    root = tmp_path_factory.mktemp(f"accumulation-{backend}")
+    workers = [f"localhost:{port}" for port in find_free_ports(2)]
+    spawns = [Spawn(_command(str(root / "gang")),
+                    {**worker_env(backend), "TF_CONFIG": json.dumps(
+                        {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})})
+              for index in range(2)]
+    spawns.append(Spawn(_command(str(root / "reference")), worker_env(backend)))
+    ran = run_processes(spawns, timeout=RUN_TIMEOUT, grace_after_failure=60)
+    assert ran.codes == [0, 0, 0], ran.log()
+    return backend, root
+
+
+def _dump(root, run: str, name: str, index: int) -> dict:
+    return load_dump(os.path.join(root, run, name), index)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_accumulating_workers_match_one_process(runs, name):
+    backend, root = runs
+    first, second = _dump(root, "gang", name, 0), _dump(root, "gang", name, 1)
+    reference = _dump(root, "reference", name, 0)
+    assert first["batches"] == reference["batches"] == [7, 7], (backend, name)
+    assert max_weight_difference(first["final"], second["final"]) == 0.0, (backend, name)
+    assert first["history"] == second["history"], (backend, name)
+    assert first["optimizer_iterations"] == reference["optimizer_iterations"] == MICRO_STEPS // STEPS[name]
+    delta = max_weight_difference(first["final"], reference["final"])
+    print(f"{backend} {name}: max |Δw| vs one process {delta:.3g}")
+    assert delta <= TOLERANCE, (backend, name, delta)
+    for key, values in reference["history"].items():   # global metrics in the logs
+        assert first["history"][key] == pytest.approx(values, rel=1e-5, abs=1e-6), (backend, name, key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_gradients_are_all_reduced_once_per_optimizer_step(runs, name):
+    backend, root = runs
+    if backend == "tensorflow":
+        pytest.skip("TensorFlow's step runs its collectives inside one tf.function: the ledger sees "
+                    "the step, not each all-reduce (it all-reduces every micro-step, see the README)")
+    counts = _dump(root, "gang", name, 0)["fit_collectives"]
+    updates = MICRO_STEPS // STEPS[name]
+    assert counts.get("gradient all-reduce") == updates, (backend, name, counts)
