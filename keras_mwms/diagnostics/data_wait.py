@@ -4,7 +4,9 @@ Keras turns a `PyDataset` into batches through `PyDatasetAdapter._get_iterator` 
 backend (torch and JAX iterate it on the main thread; TensorFlow's `from_generator` on a
 thread of its own, ahead of the step). `PATCH` wraps that iterator so each `next()` is a
 `Ledger.data(batch)` interval: the hang report sees "making batch 5 for 30 s", and the
-straggler table counts seconds spent waiting for data. keras_mwms feeds numpy arrays to the
+straggler table counts seconds spent waiting for data. (A finite PyDataset in a TensorFlow
+`fit` is read by batch index instead, `keras_mwms.backends.tensorflow.data`, which times each
+read the same way.) keras_mwms feeds numpy arrays to the
 torch backend through a `PyDataset` as well; other inputs (tf.data, generators) are not timed.
 
 Example:

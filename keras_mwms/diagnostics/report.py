@@ -43,6 +43,10 @@ def keras_call(ident: int | None) -> str:
         code = frame.f_code
         if code.co_name in KERAS_CALLS and f"{os.sep}keras{os.sep}" in code.co_filename:
             found = code.co_name
+        elif f"{os.sep}keras_mwms{os.sep}" in code.co_filename and "original" in code.co_freevars:
+            # keras_mwms' own wrapper of a Keras method (its start-of-fit sync runs there).
+            name = getattr(frame.f_locals.get("original"), "__name__", "")
+            found = name if name in KERAS_CALLS else found
         frame = frame.f_back
     return found
 

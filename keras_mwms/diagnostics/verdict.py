@@ -111,6 +111,12 @@ def _signature(report: dict) -> tuple:
     return (ledger["step"], ledger["sequence"], "")
 
 
+def _in_call(call: str) -> str:
+    """Where a worker is, for the verdict: `model.fit`, or a call its report could not name (it
+    had left the call when it reported, before its first train step)."""
+    return "a call it could not name" if call in ("", "?") else f"model.{call}"
+
+
 def _desync(reports: dict[int, dict], signatures: dict[int, tuple]) -> tuple[list[int], str]:
     """Which workers are out of step, and how (see the module docstring)."""
     calls = {worker: report.get("call") or "?" for worker, report in reports.items()}
@@ -123,8 +129,8 @@ def _desync(reports: dict[int, dict], signatures: dict[int, tuple]) -> tuple[lis
         if len(chosen) == 1:
             call = chosen.pop()
             odd = sorted(worker for worker, value in calls.items() if value == call)
-            others = sorted({f"model.{value}" for worker, value in calls.items() if value != call})
-            return odd, (f"{', '.join(f'worker {worker}' for worker in odd)} is in model.{call} while "
+            others = sorted({_in_call(value) for worker, value in calls.items() if value != call})
+            return odd, (f"{', '.join(f'worker {worker}' for worker in odd)} is in {_in_call(call)} while "
                          f"the others are in {' / '.join(others)} (one worker called something the "
                          "others did not, e.g. an extra train_on_batch)")
     steps = {worker: signature[0] for worker, signature in signatures.items()}
@@ -154,7 +160,7 @@ def decide(reports: dict[int, dict], num_workers: int, settled: bool = False) ->
     report says `failed` are compared by the collective they were in last (a desync).
     """
     threshold = max((float(report.get("threshold") or 0) for report in reports.values()), default=0.0)
-    everyone = [f"  worker {worker} (in model.{reports[worker].get('call') or '?'}): "
+    everyone = [f"  worker {worker} (in {_in_call(reports[worker].get('call') or '')}): "
                 f"{_where(reports[worker])}; last collective "
                 f"{_last_collective(reports[worker])}" for worker in sorted(reports)]
     missing = [worker for worker in range(num_workers) if worker not in reports]

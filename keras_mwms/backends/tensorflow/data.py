@@ -39,6 +39,7 @@ import numpy as np
 
 from keras_mwms.backends.patches import ObjectState
 from keras_mwms.data import replica_slices
+from keras_mwms.diagnostics.ledger import LEDGER
 
 
 def shard_policy_is_off(dataset: Any) -> bool:
@@ -301,7 +302,8 @@ def _indexed_dataset(adapter: Any, signature: Any) -> Any:
     specs = tf.nest.flatten(signature)
 
     def read(index):
-        batch = adapter._standardize_batch(adapter.py_dataset[state.order[int(index)]])
+        with LEDGER.data(int(index)):   # the hang report's and straggler table's data phase
+            batch = adapter._standardize_batch(adapter.py_dataset[state.order[int(index)]])
         return [np.asarray(leaf, dtype=spec.dtype.as_numpy_dtype)
                 for leaf, spec in zip(tf.nest.flatten(batch), specs)]
 
