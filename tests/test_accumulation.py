@@ -12,7 +12,7 @@ short last batch of 14 rows, so the row weighting of uneven micro-batches is exe
 process weighs each micro-batch's mean gradient alike, `(g_1 + … + g_K) / K`). The tests assert
 workers bit-identical, within 1e-5 of one process, the same optimizer step count, and, where
 the backend all-reduces once per optimizer step (torch, the JAX flat path), the ledger's count
-of gradient all-reduces: one per K micro-steps.
+of gradient all-reduces: one per K micro-steps, beside one small all-reduce per micro-step.
 """
 
 from __future__ import annotations
@@ -91,3 +91,6 @@ def test_gradients_are_all_reduced_once_per_optimizer_step(runs, name):
     counts = _dump(root, "gang", name, 0)["fit_collectives"]
     updates = MICRO_STEPS // STEPS[name]
     assert counts.get("gradient all-reduce") == updates, (backend, name, counts)
+    # Each micro-step: one small all-reduce (rows, metric states); else only fit's own set-up.
+    assert counts.get("row all-reduce") == MICRO_STEPS, (backend, name, counts)
+    assert sum(counts.values()) <= MICRO_STEPS + updates + 6, (backend, name, counts)

@@ -50,7 +50,8 @@ def build_parser(prog: str = "python -m keras_mwms.benchmark") -> argparse.Argum
                     "overhead and start-up. Prints tables; writes benchmark.json and benchmark.png.",
         epilog="Examples: %(prog)s --quick   |   %(prog)s allreduce --backends torch --workers 2   |   "
                "%(prog)s fit --width 1024 --depth 4 --out build/bench   |   gradient compression over tc-shaped "
-               "links (root): %(prog)s compression --link 1gbit,100mbit",
+               "links (root): %(prog)s compression --link 1gbit,100mbit   |   gradient accumulation K=4 vs K=1: "
+               "%(prog)s accumulation --k 1,4",
     )
     parser.add_argument("what", nargs="?", default="all", choices=sorted(SECTIONS),
                         help="which measurements (default all)")
@@ -106,6 +107,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m keras_mwms.be
     from keras_mwms.benchmark import runner
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["accumulation"]:   # its own gangs: K = 1 against K = 4 side by side
+        from keras_mwms.benchmark import accumulation
+
+        return accumulation.main(argv[1:], prog)
     if argv[:1] == ["compression"]:   # its own gangs, across two shaped network namespaces
         from keras_mwms.benchmark import compression
 

@@ -11,8 +11,9 @@ applies as usual; its accumulators are zeroed first, so `(sum + 0) / K` is the s
 every worker and workers stay bit-identical.
 
 Every micro-step still all-reduces its row count and unsynchronized BatchNormalization moving
-statistics (a few floats: `R_k` is needed before the share can be added) and, as without
-accumulation, its metric states (batch logs stay global). Between optimizer steps the
+statistics (a few floats: `R_k` is needed before the share can be added) and, in the same small
+all-reduce, its metric states (updated before backward, `training.train_step_metrics_first`),
+so batch logs stay global at one small collective per micro-step. Between optimizer steps the
 accumulators are per worker (each holds its share), as DDP's `no_sync` leaves `.grad`.
 
 Not on this path (every micro-step all-reduces the gradient, still exact): a
@@ -30,7 +31,7 @@ Example (what one worker adds for a micro-step: its rows' share of the global gr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,13 +54,16 @@ def local_share(grads: list, row_scale: float, total_weight: float) -> list:
 
 @torch.no_grad()
 def accumulate(backend: TorchEngine, optimizer: Any, steps: int, grads: list, variables: list | None,
-               statistics: list, reduce_gradients: Callable[[TorchEngine, list], list]) -> list:
+               statistics: list, reduce_gradients: Callable[[TorchEngine, list], list],
+               riders: Sequence[torch.Tensor] = (), on_riders: Callable[[list], None] | None = None) -> list:
     """The gradients Keras' accumulating `apply` should see on this worker (module docstring).
 
     A micro-step before the K-th returns this worker's share (Keras adds it to its
     accumulators); the K-th returns `Σ_w (acc_w + share_w)` after one all-reduce and zeroes
     the accumulators. `reduce_gradients(backend, tensors)` sums gradients across workers
-    (`gradients.reduce_gradients`: compressed when the options say so).
+    (`gradients.reduce_gradients`: compressed when the options say so). `riders` (the step's
+    metric states, already updated) are summed in the same small all-reduce as the row count and
+    handed to `on_riders`, so the batch logs need no collective of their own.
     """
     rows = float(backend.step_rows)
     has_rows = rows > 0
@@ -71,11 +75,14 @@ def accumulate(backend: TorchEngine, optimizer: Any, steps: int, grads: list, va
     small = [variable.value.data * rows if has_rows else torch.zeros_like(variable.value.data)
              for variable in statistics]
     small.append(torch.tensor([weight, rows], dtype=reference.dtype, device=reference.device))
-    reduced = backend.all_reduce_flat(small, what="row all-reduce")
-    WIRE.add(sum(tensor.numel() * tensor.element_size() for tensor in small))
-    total_weight, total_rows = float(reduced[-1][0]), reduced[-1][1]
-    for variable, total in zip(statistics, reduced[:-1]):
+    count = len(small)
+    reduced = backend.all_reduce_flat(small + list(riders), what="row all-reduce")
+    WIRE.add(sum(tensor.numel() * tensor.element_size() for tensor in small + list(riders)))
+    total_weight, total_rows = float(reduced[count - 1][0]), reduced[count - 1][1]
+    for variable, total in zip(statistics, reduced[:count - 1]):
         variable.value.data.copy_(total / total_rows)
+    if on_riders is not None:
+        on_riders(reduced[count:])
     if not has_rows:
         grads = [None if grad is None else torch.zeros_like(grad) for grad in grads]
     shares = local_share(grads, row_scale, total_weight or 1.0)

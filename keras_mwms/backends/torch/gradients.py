@@ -21,7 +21,7 @@ gradient one process computes in float16 is inf beyond float16's range
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -157,8 +157,9 @@ def averaged_over_workers(backend: TorchEngine, model, grads: list, variables=No
             return _average_overlapped(backend, grads, summed, statistics, weight, rows)
     steps = policy.accumulation_steps(getattr(model, "optimizer", None))
     if steps:   # one gradient all-reduce per optimizer step (`keras_mwms.backends.torch.accumulation`)
+        riders, on_riders = _metric_riders(model)
         return accumulation.accumulate(backend, model.optimizer, steps, grads, variables, statistics,
-                                       reduce_gradients)
+                                       reduce_gradients, riders, on_riders)
     # A custom step's gradients are those of its shard's mean loss: weight them by the rows.
     row_scale = 1.0 if backend.loss_weight is not None else rows
     weight = backend.loss_weight if backend.loss_weight is not None else rows
@@ -206,6 +207,23 @@ def _average_overlapped(backend: TorchEngine, grads: list, summed: list, statist
     for offset, variable in enumerate(statistics):
         variable.value.data.copy_(reduced[offset] / total_rows)
     return [None if grad is None else total.div_(total_weight) for grad, total in zip(grads, summed)]
+
+
+def _metric_riders(model) -> tuple[list, Any]:
+    """Metric states updated before backward (`training.train_step_metrics_first`) that may ride
+    in an accumulating micro-step's row all-reduce, and what keeps their sums for the logs."""
+    state = STATE.of(model)
+    if not getattr(state, "metrics_ride_accumulation", False):
+        return [], None
+    state.metrics_ride_accumulation = False
+    pairs = metrics.metric_variables(model)
+    if not all(policy.metric_reduction(metric, variable) == "sum" for metric, variable in pairs):
+        return [], None
+
+    def keep(sums: list) -> None:
+        state.step_metric_sums = list(sums)
+
+    return [variable.value.data for _, variable in pairs], keep
 
 
 def reduce_gradients(backend: TorchEngine, tensors: list) -> list:

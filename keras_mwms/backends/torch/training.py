@@ -110,6 +110,13 @@ def overlap_enabled(model, backend: TorchEngine) -> bool:
     return not model.jit_compile and type(model).train_step is TorchTrainer.train_step
 
 
+def keras_train_step(model) -> bool:
+    """Whether `model` trains with Keras' own torch `train_step`."""
+    from keras.src.backend.torch.trainer import TorchTrainer
+
+    return type(model).train_step is TorchTrainer.train_step
+
+
 def metrics_first_applies(model) -> bool:
     """Whether Keras' default metric update can move before backward (`train_step_metrics_first`)."""
     from keras.src.trainers.trainer import Trainer
@@ -193,6 +200,9 @@ def _run_step(model, step_function, data, rows: int) -> tuple[Any, dict]:
 
 def _distributed_train_function(model, backend: TorchEngine, train_function):
     overlap = backend.distributed and overlap_enabled(model, backend)
+    # Accumulating micro-steps: the metric states ride in the micro-step's row all-reduce.
+    accumulating = (backend.distributed and bool(policy.accumulation_steps(model.optimizer))
+                    and not model.jit_compile and keras_train_step(model) and metrics_first_applies(model))
 
     def distributed_train_function(data):
         with LEDGER.train_step():
@@ -211,6 +221,8 @@ def _distributed_train_function(model, backend: TorchEngine, train_function):
             reducer = armed_reducer(model, backend, rows, weights,
                                     gradients.StepExtras(model, backend, rows, weights, metrics_first))
             metrics_first = metrics_first and reducer.armed
+        elif accumulating:
+            metrics_first = STATE.of(model).metrics_ride_accumulation = True
         try:
             if metrics_first:
                 train_step_metrics_first(model, batch if rows else dummy_row(batch), rows)
