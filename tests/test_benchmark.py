@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from keras_mwms import cli
-from keras_mwms.benchmark import analysis, bandwidth, command, config, report, runner
+from keras_mwms.benchmark import analysis, bandwidth, command, config, report, runner, torch_variants
 
 REPO = Path(__file__).resolve().parent.parent
 PURE_MODULES = ["config", "bandwidth", "models", "timing", "allreduce", "analysis", "report", "runner",
@@ -83,7 +83,8 @@ def test_keras_mwms_command_lists_benchmark(capsys):
 def test_plan_runs_tensorflow_peers_in_their_own_gang():
     names = [gang.name for gang in runner.plan(config.full_config(workers=3))]
     assert names == ["tensorflow-1w-keras_mwms", "tensorflow-3w-keras_mwms", "tensorflow-3w-tensorflow_native",
-                     "jax-1w-keras_mwms", "jax-3w-keras_mwms", "torch-1w-keras_mwms", "torch-3w-keras_mwms"]
+                     "jax-1w-keras_mwms", "jax-3w-keras_mwms", "torch-1w-keras_mwms", "torch-3w-keras_mwms"] + (
+                         ["torch-3w-keras_nightly"] if torch_variants.nightly_overlay() else [])
 
 
 def test_failed_gangs_are_left_out_of_the_figures():
@@ -136,7 +137,7 @@ def test_tiny_run_writes_sane_json(tiny_run):
     assert [row["label"] for row in rows] == ["latency", "sweep", "sweep", "gradients:mlp"]
     assert all(row["correct"] and row["time_us"] > 0 and row["busbw_gbps"] > 0 for row in rows)
     assert {(row["workers"], row["variant"]) for row in result["fits"]} == {
-        (1, "keras_mwms"), (1, "torch DDP loop"), (2, "keras_mwms"), (2, "torch DDP loop")}
+        (1, "keras_mwms"), (1, "torch DDP loop"), (1, "plain Keras"), (2, "keras_mwms"), (2, "torch DDP loop")}
     assert all(row["steps_per_second"] > 0 for row in result["fits"])
     assert {row["workers"] for row in result["ratios"]} == {1, 2}
     assert all(row["ratio"] > 0 for row in result["ratios"])
@@ -162,3 +163,25 @@ def test_tiny_run_writes_a_png(tiny_run):
 def test_tables_render_missing_values_as_dashes():
     text = report.format_table(["a", "b"], [["x", None], ["y", float("nan")]])
     assert text.splitlines()[2].endswith("-") and "nan" in text
+
+
+def test_torch_jit_variant_gets_its_own_ratio_rows_and_the_nightly_gang_is_planned_or_named():
+    def fit(variant, workers, speed, batch=256):
+        return {"backend": "torch", "model": "mlp", "workers": workers, "variant": variant, "global_batch": batch,
+                "steps_per_second": speed, "startup_seconds": None, "first_step_seconds": 1.0}
+
+    fits = [fit("keras_mwms", 2, 40.0), fit(torch_variants.OURS_JIT, 2, 50.0), fit("torch DDP loop", 2, 50.0),
+            fit(torch_variants.TORCH_DDP_COMPILED, 2, 40.0), fit(torch_variants.KERAS_NIGHTLY, 2, 25.0),
+            fit("keras_mwms", 1, 60.0), fit(torch_variants.OURS_JIT, 1, 70.0), fit(torch_variants.PLAIN_KERAS, 1, 60.0)]
+    ratios = {(row["ours"], row["peer"], row["workers"]): row["ratio"] for row in analysis.ratio_rows(fits)}
+    assert ratios == {("keras_mwms", "torch DDP loop", 2): 0.8, ("keras_mwms", torch_variants.TORCH_DDP_COMPILED, 2): 1.0,
+                      ("keras_mwms", torch_variants.KERAS_NIGHTLY, 2): 1.6,
+                      (torch_variants.OURS_JIT, "torch DDP loop", 2): 1.0,
+                      (torch_variants.OURS_JIT, torch_variants.TORCH_DDP_COMPILED, 2): 1.25,
+                      (torch_variants.OURS_JIT, torch_variants.KERAS_NIGHTLY, 2): 2.0,
+                      ("keras_mwms", torch_variants.PLAIN_KERAS, 1): 1.0}   # item 5: one process vs plain Keras
+    assert "[ours: keras_mwms jit_compile]" in report.ratios_text(analysis.ratio_rows(fits))
+    full, quick = config.full_config(backends=("torch",)), config.quick_config(backends=("torch",))
+    assert torch_variants.nightly_gang_wanted(full, "torch") == (torch_variants.nightly_overlay() is not None)
+    assert not torch_variants.nightly_gang_wanted(quick, "torch")   # bench-quick keeps its budget
+    assert "make keras-nightly" in torch_variants.NIGHTLY_MISSING

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 from keras_mwms.benchmark.allreduce import summarize
 from keras_mwms.benchmark.peers import PEERS
+from keras_mwms.benchmark.torch_variants import OURS_JIT, PLAIN_KERAS
 
 OURS = "keras_mwms"
 NO_LEDGER = "keras_mwms no-ledger"
@@ -122,11 +123,11 @@ def ratio_rows(fits: Sequence[dict]) -> list[dict]:
     index = _index(fits)
     rows = []
     for (backend, model, workers, variant, batch), ours in sorted(index.items()):
-        if variant != OURS:
+        if variant not in (OURS, OURS_JIT):   # keras_mwms eager, and with jit_compile (torch)
             continue
         for peer in PEERS.get(backend, ()):
             theirs = index.get((backend, model, workers, peer, batch))
-            if theirs is None:
+            if theirs is None or (variant == OURS_JIT and peer == PLAIN_KERAS):   # eager baseline
                 continue
             ours_one = index.get((backend, model, 1, variant, batch))
             theirs_one = index.get((backend, model, 1, peer, batch))
@@ -135,7 +136,7 @@ def ratio_rows(fits: Sequence[dict]) -> list[dict]:
             ratio = ours["steps_per_second"] / theirs["steps_per_second"]
             rows.append({
                 "backend": backend, "model": model, "workers": workers, "global_batch": batch, "peer": peer,
-                "keras_mwms_steps_per_second": ours["steps_per_second"],
+                "ours": variant, "keras_mwms_steps_per_second": ours["steps_per_second"],
                 "peer_steps_per_second": theirs["steps_per_second"],
                 "ratio": ratio,
                 "one_process_ratio": one_process_ratio,

@@ -7,6 +7,7 @@
 | jax        | `keras.DataParallel`    | Keras' own `fit` (unpatched) under `keras.distribution.DataParallel`, each process feeding its shard |
 | jax        | `keras_mwms DataParallel path` | keras_mwms' `fit` with the model pinned to its previous (pre-flat) path: `KERAS_MWMS_JAX_PATH=dataparallel` behaviour |
 | torch      | `torch DDP loop`        | a hand-written `DistributedDataParallel` loop on the equivalent torch.nn model |
+| torch      | `torch DDP + torch.compile`, `keras-nightly DataParallel`, `plain Keras` | the same loop compiled, Keras' own torch DDP, Keras alone (`keras_mwms.benchmark.torch_variants`) |
 
 With one process every peer runs without any strategy (plain Keras, plain tf-keras, a plain
 torch loop), which is the single-process baseline.
@@ -29,9 +30,12 @@ TF_KERAS_TF_DISTRIBUTE = "tf-keras+tf.distribute"
 JAX_DATA_PARALLEL = "keras.DataParallel"
 JAX_KERAS_MWMS_DATA_PARALLEL = "keras_mwms DataParallel path"
 TORCH_DDP_LOOP = "torch DDP loop"
+TORCH_DDP_COMPILED = "torch DDP + torch.compile"
+KERAS_NIGHTLY = "keras-nightly DataParallel"   # its gang: keras_mwms.benchmark.torch_variants
+PLAIN_KERAS = "plain Keras"                    # one process, torch
 PEERS = {"tensorflow": (KERAS3_TF_DISTRIBUTE, TF_KERAS_TF_DISTRIBUTE),
          "jax": (JAX_DATA_PARALLEL, JAX_KERAS_MWMS_DATA_PARALLEL),
-         "torch": (TORCH_DDP_LOOP,)}
+         "torch": (TORCH_DDP_LOOP, TORCH_DDP_COMPILED, KERAS_NIGHTLY, PLAIN_KERAS)}
 
 
 def tensorflow_native_strategy(workers: int):
@@ -133,8 +137,12 @@ def jax_keras_mwms_data_parallel_fit(strategy, config: BenchmarkConfig, model_na
     return timing
 
 
-def torch_ddp_fit(strategy, config: BenchmarkConfig, model_name: str, repeat: int, x, y) -> FitTiming:
-    """A hand-written DDP training loop (Adam, cross-entropy) on the strategy's process group."""
+def torch_ddp_fit(strategy, config: BenchmarkConfig, model_name: str, repeat: int, x, y,
+                  compiled: bool = False) -> FitTiming:
+    """A hand-written DDP training loop (Adam, cross-entropy) on the strategy's process group.
+
+    `compiled`: the network (DDP-wrapped with several workers) goes through `torch.compile`.
+    """
     import torch
     from torch import nn
 
@@ -151,6 +159,9 @@ def torch_ddp_fit(strategy, config: BenchmarkConfig, model_name: str, repeat: in
     torch.manual_seed(0)
     model = build_torch_model(config, model_name)
     network = nn.parallel.DistributedDataParallel(model) if workers > 1 else model
+    variant = TORCH_DDP_COMPILED if compiled else TORCH_DDP_LOOP
+    if compiled:
+        network = torch.compile(network)
     optimizer = torch.optim.Adam(model.parameters(), LEARNING_RATE)
     loss_function = nn.CrossEntropyLoss()
     loss = None
@@ -162,6 +173,6 @@ def torch_ddp_fit(strategy, config: BenchmarkConfig, model_name: str, repeat: in
         step_ends.append(time.perf_counter())
     float(loss.detach())
     finished = time.perf_counter()
-    strategy.barrier(f"{TORCH_DDP_LOOP} {model_name} {repeat} done")
-    return FitTiming.from_times(TORCH_DDP_LOOP, model_name, repeat, step_ends, finished, setup_started,
+    strategy.barrier(f"{variant} {model_name} {repeat} done")
+    return FitTiming.from_times(variant, model_name, repeat, step_ends, finished, setup_started,
                                 config.warmup_steps, config.global_batch)

@@ -88,7 +88,11 @@ def ratios_text(rows: Sequence[dict]) -> str:
     def times(value):
         return None if value is None else f"{value:.2f}x"
 
-    body = [[row["backend"], row["model"], row["workers"], row["global_batch"], row["peer"],
+    def peer(row):
+        ours = row.get("ours", "keras_mwms")
+        return row["peer"] if ours == "keras_mwms" else f"{row['peer']} [ours: {ours}]"
+
+    body = [[row["backend"], row["model"], row["workers"], row["global_batch"], peer(row),
              row["keras_mwms_steps_per_second"],
              row["peer_steps_per_second"], times(row["ratio"]), times(row.get("one_process_ratio")),
              times(row.get("distribution_ratio")), row["keras_mwms_startup_seconds"],

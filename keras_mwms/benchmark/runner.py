@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from keras_mwms.benchmark import analysis, bandwidth, report, scaling
+from keras_mwms.benchmark import analysis, bandwidth, report, scaling, torch_variants
 from keras_mwms.benchmark.config import BenchmarkConfig
 from keras_mwms.benchmark.timing import LAUNCHED_AT_ENV
 from keras_mwms.benchmark.worker import THREADS_ENV
@@ -73,6 +73,8 @@ def plan(config: BenchmarkConfig) -> list[GangPlan]:
         gangs.append(GangPlan(backend, config.workers, "keras_mwms"))
         if fit and backend == "tensorflow":
             gangs.append(GangPlan(backend, config.workers, "tensorflow_native"))
+        if torch_variants.nightly_gang_wanted(config, backend):
+            gangs.append(GangPlan(backend, config.workers, torch_variants.NIGHTLY_ROLE))
         gangs += [GangPlan(backend, count, scaling.ROLE) for count in config.scaling_workers]
     return gangs
 
@@ -107,6 +109,9 @@ def run_gang(gang_plan: GangPlan, config_path: Path, out_dir: Path, timeout: flo
     command = [sys.executable, "-u", "-m", "keras_mwms.benchmark.worker", str(config_path), gang_plan.role,
                str(prefix)]
     env = gang_environment(gang_plan.backend, threads)
+    if gang_plan.role == torch_variants.NIGHTLY_ROLE:   # keras-nightly first on the path
+        env["PYTHONPATH"] = os.pathsep.join([str(torch_variants.NIGHTLY_OVERLAY), env["PYTHONPATH"]])
+        env["KERAS_MWMS_ALLOW_UNTESTED_KERAS"] = "1"
     env[LAUNCHED_AT_ENV] = repr(time.time())
     gang = Gang(command, gang_plan.workers, grace_period=5.0, extra_env=env)
     record = {"name": gang_plan.name, "backend": gang_plan.backend, "workers": gang_plan.workers,
@@ -180,6 +185,11 @@ def run(config: BenchmarkConfig, out_dir: Path) -> dict:
     gangs = []
     threads = threads_per_worker(max(scaling.worker_counts(config)))
     gang_plans = plan(config)
+    notes = []
+    if ("torch" in config.backends and "fit" in config.sections and not config.quick
+            and torch_variants.nightly_overlay() is None):
+        notes.append(torch_variants.NIGHTLY_MISSING)
+        say(torch_variants.NIGHTLY_MISSING)
     run_started = time.monotonic()
     for number, gang_plan in enumerate(gang_plans, 1):
         progress, log_path = f"[{number}/{len(gang_plans)}]", gang_log_path(out_dir, gang_plan)
@@ -204,6 +214,7 @@ def run(config: BenchmarkConfig, out_dir: Path) -> dict:
         "ledger": analysis.ledger_rows(fits),
         "scaling": scaling.analyse(gangs, fits, config, machine, threads),
         "gangs": [{key: value for key, value in gang.items() if key != "results"} for gang in gangs],
+        "notes": notes,
         "definitions": analysis.__doc__,
         "link_probe": bandwidth.__doc__,
     }
@@ -250,6 +261,7 @@ def render(result: dict) -> str:
         parts.append(report.ledger_text(result["ledger"]))
     if result.get("scaling", {}).get("engines"):
         parts.append(scaling.text(result["scaling"]))
+    parts += result.get("notes", [])
     for gang in result["gangs"]:
         if not gang["ok"]:
             parts.append(f"FAILED gang {gang['name']}: {gang['error']}\n  " + "\n  ".join(gang.get("log_tail", [])))

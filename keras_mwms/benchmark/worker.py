@@ -25,14 +25,14 @@ import sys
 import time
 from collections.abc import Sequence
 
-from keras_mwms.benchmark import peers
+from keras_mwms.benchmark import peers, torch_variants
 from keras_mwms.benchmark.config import BenchmarkConfig
 from keras_mwms.benchmark.fit import keras_mwms_fit, keras_mwms_fit_without_ledger
 from keras_mwms.benchmark.models import parameter_count, synthetic_data
 from keras_mwms.benchmark.timing import seconds_since_launch
 from keras_mwms.devices import threads_per_worker
 
-ROLES = ("keras_mwms", "tensorflow_native", "scaling")
+ROLES = ("keras_mwms", "tensorflow_native", "scaling", torch_variants.NIGHTLY_ROLE)
 THREADS_ENV = "KERAS_MWMS_BENCH_THREADS"
 
 
@@ -138,6 +138,8 @@ def run_keras_mwms_role(config: BenchmarkConfig, backend_name: str, result: dict
                         runs.add(peers.jax_keras_mwms_data_parallel_fit, strategy, *arguments)
                 elif backend_name == "torch":
                     runs.add(peers.torch_ddp_fit, strategy, *arguments)
+                    torch_variants.add_torch_variants(runs, strategy, config, arguments,
+                                                      batch_config is config)
                 elif workers == 1:
                     for variant in peers.PEERS["tensorflow"][:peer_count]:
                         runs.add(peers.tensorflow_peer_fit, variant, None, *arguments)
@@ -206,7 +208,7 @@ def run_tensorflow_native_role(config: BenchmarkConfig, workers: int, result: di
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) != 3 or argv[1] not in ROLES:
-        print("usage: python -m keras_mwms.benchmark.worker CONFIG.json {keras_mwms|tensorflow_native|scaling} "
+        print("usage: python -m keras_mwms.benchmark.worker CONFIG.json {keras_mwms|tensorflow_native|scaling|keras_nightly} "
               "RESULT_PREFIX", file=sys.stderr)
         return 2
     config_path, role, result_prefix = argv
@@ -222,6 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_keras_mwms_role(config, backend_name, result)
     elif role == "scaling":
         run_scaling_role(config, backend_name, result)
+    elif role == torch_variants.NIGHTLY_ROLE:
+        torch_variants.run_keras_nightly_role(config, result)
     else:
         run_tensorflow_native_role(config, workers, result)
     result["versions"] = versions(backend_name)
