@@ -5,7 +5,9 @@ scenarios in the same processes, and the same scenarios run alongside as one pro
 TF_CONFIG (the reference):
 
 * `k2`: SGD with momentum, K = 2;
-* `k3`: Adam, K = 3, so accumulation windows straddle the epoch boundary.
+* `k3`: Adam, K = 3, so accumulation windows straddle the epoch boundary;
+* `k3fits`: SGD, K = 3, two `fit` calls of one epoch (7 micro-steps each): the first fit ends
+  mid-window and the second goes on with it, as one process does.
 
 Both on 200 rows in global batches of 31: full batches split 16/15 between the workers and a
 short last batch of 14 rows, so the row weighting of uneven micro-batches is exercised (one
@@ -31,8 +33,9 @@ from tests.workers.fit_scenario import load_dump
 RUN_TIMEOUT = 300          # gang + reference of one backend; ~25-45 s alone on 2 cores
 TOLERANCE = 1e-5
 BASE = ["--verbose", "0", "--seed", "100", "--rows", "200", "--batch-size", "31"]
-SCENARIOS = {"k2": ["--accumulation", "2"], "k3": ["--accumulation", "3", "--optimizer", "adam"]}
-STEPS = {"k2": 2, "k3": 3}
+SCENARIOS = {"k2": ["--accumulation", "2"], "k3": ["--accumulation", "3", "--optimizer", "adam"],
+             "k3fits": ["--accumulation", "3", "--epochs", "1", "--fits", "2"]}
+STEPS = {"k2": 2, "k3": 3, "k3fits": 3}
 MICRO_STEPS = 14           # 2 epochs of ceil(200 / 31) = 7 batches
 BACKENDS = [pytest.param("tensorflow", marks=pytest.mark.tensorflow),
             pytest.param("jax", marks=pytest.mark.jax),
@@ -93,4 +96,4 @@ def test_gradients_are_all_reduced_once_per_optimizer_step(runs, name):
     assert counts.get("gradient all-reduce") == updates, (backend, name, counts)
     # Each micro-step: one small all-reduce (rows, metric states); else only fit's own set-up.
     assert counts.get("row all-reduce") == MICRO_STEPS, (backend, name, counts)
-    assert sum(counts.values()) <= MICRO_STEPS + updates + 6, (backend, name, counts)
+    assert sum(counts.values()) <= MICRO_STEPS + updates + 10, (backend, name, counts)

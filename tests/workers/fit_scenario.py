@@ -76,6 +76,7 @@ FLAGS.add_argument("--record-path", action="store_true",
                         "scale of compression's rounding bound)")
 FLAGS.add_argument("--accumulation", type=int, default=None,
                    help="the optimizer's gradient_accumulation_steps; the dump then counts collectives by kind")
+FLAGS.add_argument("--fits", type=int, default=1, help="call fit this many times (History: the last)")
 FLAGS.add_argument("--seconds-per-batch", type=float, default=0.0,
                    help="sleep after every batch, so a fault lands mid-epoch")
 
@@ -344,8 +345,9 @@ def run_scenario(strategy, out: str, arguments) -> None:
 
     collectives_before = dict(LEDGER.kinds)
     started = time.time()
-    history = model.fit(**fit_kwargs, epochs=arguments.epochs, steps_per_epoch=arguments.steps_per_epoch,
-                        callbacks=callbacks, verbose=verbose)
+    for _ in range(arguments.fits):
+        history = model.fit(**fit_kwargs, epochs=arguments.epochs, steps_per_epoch=arguments.steps_per_epoch,
+                            callbacks=callbacks, verbose=verbose)
     fit_seconds = time.time() - started
     wire_bytes_per_step = WIRE.per_step(sum(recorder.batches))
     collectives = {kind: count - collectives_before.get(kind, 0) for kind, count in LEDGER.kinds.items()

@@ -177,6 +177,39 @@ def assign_values(variables: list, values: list[np.ndarray]) -> None:
             variable.assign(value)
 
 
+def open_accumulators(model) -> list:
+    """The accumulators of a gradient accumulation window a fit left open (else []).
+
+    On the flat path each worker accumulates its own share between optimizer steps; a fit that
+    ends mid-window leaves shares, which the next fit sums (chief) before it goes on.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    steps = policy.accumulation_steps(optimizer)
+    if not steps or not getattr(optimizer, "built", False):
+        return []
+    if int(np.asarray(optimizer._iterations.value)) % steps == 0:
+        return []
+    return [variable for variable in optimizer._accumulated_gradients if variable is not None]
+
+
+def split_like(flat: np.ndarray, variables: list) -> list[np.ndarray]:
+    """`flat` cut into arrays shaped (and typed) like `variables`.
+
+    Example:
+
+    >>> from types import SimpleNamespace as V
+    >>> [a.tolist() for a in split_like(np.arange(5.0), [V(shape=(2,), dtype="float32"),
+    ...                                                  V(shape=(3,), dtype="float32")])]
+    [[0.0, 1.0], [2.0, 3.0, 4.0]]
+    """
+    out, offset = [], 0
+    for variable in variables:
+        size = int(np.prod(variable.shape))
+        out.append(np.asarray(flat[offset:offset + size]).astype(variable.dtype).reshape(variable.shape))
+        offset += size
+    return out
+
+
 def can_run_flat(model) -> str | None:
     """None if the flat path reproduces one process exactly for `model`, else the reason why not."""
     from keras.src.backend.jax.trainer import JAXTrainer
@@ -373,6 +406,15 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
         return out
 
     payload_jit = jax.jit(update_payload, in_shardings=device, out_shardings=device)
+    # The optimizer's micro-step count, read from the device only when the state did not come
+    # from this step's last apply (a new fit, a restored or assigned optimizer): no sync per step.
+    iterations_seen: dict[str, Any] = {"array": None, "value": 0}
+
+    def iteration_of(optimizer_variables) -> int:
+        current = optimizer_variables[iterations_position]
+        if current is not iterations_seen["array"]:
+            iterations_seen.update(array=current, value=int(current))
+        return iterations_seen["value"]
 
     def train_step(state, data):
         with LEDGER.train_step(caller=3):   # Keras' iterator_step, then fit/train_on_batch
@@ -398,7 +440,7 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
         accumulated, update = None, False
         if accumulating:
             accumulated = local_grads
-            update = (int(optimizer_variables[iterations_position]) + 1) % accumulating == 0
+            update = (iteration_of(optimizer_variables) + 1) % accumulating == 0
             if update:
                 payload = payload_jit(local_grads, sums, optimizer_variables)
                 accumulated = guard(lambda: jax.block_until_ready(
@@ -406,6 +448,9 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
                 WIRE.add(sum(vector.size * vector.dtype.itemsize for vector in payload))
         trainable, new_non_trainable, optimizer_variables, global_logs = apply_jit(
             trainable, new_non_trainable, optimizer_variables, new_metrics, sums, reduced, accumulated, update)
+        if accumulating:   # Keras' apply counted one micro-step
+            iterations_seen.update(array=optimizer_variables[iterations_position],
+                                   value=iterations_seen["value"] + 1)
         # Batch logs are global, as on TensorFlow and torch: callbacks that stop on a logged value
         # (TerminateOnNaN, a batch-level EarlyStopping) decide alike on every worker. Local logs
         # let one worker stop a step early and the others hang in the next collective.

@@ -300,8 +300,15 @@ def _sync_state(backend, model) -> None:
     if backend.models.get(model, "synced", False):
         return
     variables = flat.model_state_variables(model)
+    # A window of gradient accumulation left open by the last fit goes on as in one process.
+    open_window = flat.open_accumulators(model) if _on_flat_path(backend, model) else []
+    if open_window:
+        summed = backend.all_reduce(np.concatenate([np.asarray(v.value).ravel() for v in open_window]))
+        flat.assign_values(open_window, flat.split_like(summed, open_window))
     values = backend.broadcast_arrays([np.asarray(variable.value) for variable in variables])
     flat.assign_values(variables, values)
+    if open_window and backend.worker_index != 0:   # the broadcast's source keeps the sum
+        flat.assign_values(open_window, [np.zeros(v.shape, v.dtype) for v in open_window])
     backend.models.of(model).synced = True
 
 

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from keras_mwms.backends.compression import WIRE
+from keras_mwms.backends.policy import accumulation_steps
 
 if TYPE_CHECKING:
     from keras_mwms.backends.torch.engine import TorchEngine
@@ -101,3 +102,29 @@ def accumulate(backend: TorchEngine, optimizer: Any, steps: int, grads: list, va
     for slot, i in enumerate(present_slots):
         result[i] = summed[slot]
     return result
+
+
+@torch.no_grad()
+def settle_window(backend: TorchEngine, optimizer: Any, broadcast: Callable[[], None]) -> None:
+    """Runs `broadcast` (the chief's state to every worker, at `fit`'s start) keeping an open window.
+
+    A fit that ended mid-window (micro-steps not a multiple of K) left each worker its own share
+    in its accumulators: they are summed first (one all-reduce, only then), the chief keeps the
+    sum through the broadcast and the others restart from zero, so the window goes on as in
+    one process. Accumulators saved mid-window hold the saving worker's share only: resume
+    from a checkpoint written at a window boundary (`save_freq` a multiple of K).
+    """
+    steps = accumulation_steps(optimizer)
+    if not steps or not getattr(optimizer, "built", False) or not backend.distributed \
+            or int(optimizer._iterations.value.item()) % steps == 0:
+        broadcast()
+        return
+    accumulators = [accumulator for accumulator in optimizer._accumulated_gradients if accumulator is not None]
+    summed = backend.all_reduce_flat([accumulator.value.data for accumulator in accumulators],
+                                     what="accumulator all-reduce")
+    for accumulator, total in zip(accumulators, summed):
+        accumulator.value.data.copy_(total)
+    broadcast()
+    if backend.worker_index != 0:   # the broadcast's source keeps the sum
+        for accumulator in accumulators:
+            accumulator.value.data.zero_()

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from keras_mwms.backends import policy
-from keras_mwms.backends.torch import gradients, metrics
+from keras_mwms.backends.torch import accumulation, gradients, metrics
 from keras_mwms.backends.torch.overlap import OverlappedGradients
 from keras_mwms.backends.torch.state import STATE, model_of
 from keras_mwms.diagnostics import LEDGER
@@ -40,7 +40,8 @@ def prepare_fit(model, backend: TorchEngine) -> None:
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and model_of(optimizer) is None:
         STATE.of(optimizer).model = weakref.ref(model)
-    broadcast_state(model, backend)
+    # A window of gradient accumulation left open by the last fit goes on as in one process.
+    accumulation.settle_window(backend, optimizer, lambda: broadcast_state(model, backend))
     # Layers may have changed since the last fit (trainable flags): re-collect.
     STATE.of(model).batch_norm_statistics = None
     backend.loss_rows_unit = None     # a LossScaleOptimizer's unit: this fit's first global rows
