@@ -185,3 +185,15 @@ def test_torch_jit_variant_gets_its_own_ratio_rows_and_the_nightly_gang_is_plann
     assert torch_variants.nightly_gang_wanted(full, "torch") == (torch_variants.nightly_overlay() is not None)
     assert not torch_variants.nightly_gang_wanted(quick, "torch")   # bench-quick keeps its budget
     assert "make keras-nightly" in torch_variants.NIGHTLY_MISSING
+
+
+def test_one_process_ratio_is_reported_for_every_backend():
+    fits = [{"backend": backend, "model": "mlp", "workers": 1, "variant": variant, "global_batch": 128,
+             "steps_per_second": speed, "startup_seconds": None, "first_step_seconds": 0.1}
+            for backend, plain in analysis.PLAIN_KERAS_ONE_PROCESS.items()
+            for variant, speed in (("keras_mwms", 40.0), (plain, 50.0))]
+    rows = analysis.one_process_rows(fits)
+    assert [(row["backend"], row["ratio"]) for row in rows] == [("jax", 0.8), ("tensorflow", 0.8), ("torch", 0.8)]
+    text = report.one_process_text(rows)
+    assert text.startswith("one worker of keras_mwms / plain Keras, one process")
+    assert text.count("0.80x") == 3

@@ -10,6 +10,9 @@ Definitions (also printed under the tables):
   frameworks cost per step before any distribution (on torch, Keras' trainer vs a bare loop).
   distribution ratio = ratio ÷ one-process ratio: how keras_mwms' distribution compares with
   the peer's once that single-process difference is divided out (≥ 1.0: ours costs no more).
+* one worker of keras_mwms ÷ plain Keras, one process (`one_process_rows`): keras_mwms' fit
+  with a one-worker strategy vs the same model in plain Keras 3 on the same backend, same
+  process and global batch — what keras_mwms costs before there is anything to distribute.
 * threads: every process, also the single one, gets cores ÷ N threads — the compute of one of
   the N workers — so one process vs N workers is a scaling comparison at equal per-process
   resources (oversubscribed or contended cores distort multi-threaded runs badly on a shared box).
@@ -27,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from keras_mwms.benchmark.allreduce import summarize
-from keras_mwms.benchmark.peers import PEERS
+from keras_mwms.benchmark.peers import JAX_DATA_PARALLEL, KERAS3_TF_DISTRIBUTE, PEERS
 from keras_mwms.benchmark.torch_variants import OURS_JIT, PLAIN_KERAS
 
 OURS = "keras_mwms"
@@ -146,6 +149,38 @@ def ratio_rows(fits: Sequence[dict]) -> list[dict]:
                 "keras_mwms_first_step_seconds": ours.get("first_step_seconds"),
                 "peer_first_step_seconds": theirs.get("first_step_seconds"),
             })
+    return rows
+
+
+# Plain Keras in one process, per backend: the fit keras_mwms' one worker must cost nothing over.
+PLAIN_KERAS_ONE_PROCESS = {"tensorflow": KERAS3_TF_DISTRIBUTE, "jax": JAX_DATA_PARALLEL, "torch": PLAIN_KERAS}
+
+
+def one_process_rows(fits: Sequence[dict]) -> list[dict]:
+    """One worker of keras_mwms ÷ plain Keras, one process, per backend, model and batch.
+
+    The plain-Keras variant of each backend with one process (no strategy, no distribution):
+    TensorFlow's `keras3+tf.distribute` and JAX's `keras.DataParallel` peers, which then run
+    plain Keras 3, and torch's `plain Keras`; both fits in the same process, interleaved.
+
+    Example:
+
+    >>> fits = [{"backend": "jax", "model": "mlp", "workers": 1, "variant": variant,
+    ...          "global_batch": 64, "steps_per_second": speed}
+    ...         for variant, speed in (("keras_mwms", 45.0), ("keras.DataParallel", 50.0))]
+    >>> [(row["plain"], row["ratio"]) for row in one_process_rows(fits)]
+    [('keras.DataParallel', 0.9)]
+    """
+    index = _index(fits)
+    rows = []
+    for (backend, model, workers, variant, batch), ours in sorted(index.items()):
+        plain = index.get((backend, model, 1, PLAIN_KERAS_ONE_PROCESS.get(backend), batch))
+        if variant != OURS or workers != 1 or plain is None:
+            continue
+        rows.append({"backend": backend, "model": model, "global_batch": batch, "plain": plain["variant"],
+                     "keras_mwms_steps_per_second": ours["steps_per_second"],
+                     "plain_steps_per_second": plain["steps_per_second"],
+                     "ratio": ours["steps_per_second"] / plain["steps_per_second"]})
     return rows
 
 

@@ -101,6 +101,15 @@ def ratios_text(rows: Sequence[dict]) -> str:
             "1-process ratio on the same global batch):\n" + format_table(headers, body))
 
 
+def one_process_text(rows: Sequence[dict]) -> str:
+    headers = ["backend", "model", "batch", "plain Keras variant", "keras_mwms 1 worker steps/s",
+               "plain Keras steps/s", "ratio"]
+    body = [[row["backend"], row["model"], row["global_batch"], row["plain"], row["keras_mwms_steps_per_second"],
+             row["plain_steps_per_second"], f"{row['ratio']:.2f}x"] for row in rows]
+    return ("one worker of keras_mwms / plain Keras, one process (same process, interleaved; "
+            ">= 1.00x: one worker costs nothing):\n" + format_table(headers, body))
+
+
 def ledger_text(rows: Sequence[dict]) -> str:
     headers = ["backend", "model", "workers", "batch", "ledger on steps/s", "ledger off steps/s", "slower"]
     body = [[row["backend"], row["model"], row["workers"], row["global_batch"],

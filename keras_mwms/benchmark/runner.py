@@ -210,6 +210,7 @@ def run(config: BenchmarkConfig, out_dir: Path) -> dict:
         "allreduce": allreduce,
         "fits": fits,
         "ratios": analysis.ratio_rows(fits),
+        "one_process": analysis.one_process_rows(fits),
         "overhead": analysis.overhead_rows(fits, allreduce, config.workers),
         "ledger": analysis.ledger_rows(fits),
         "scaling": scaling.analyse(gangs, fits, config, machine, threads),
@@ -257,6 +258,8 @@ def render(result: dict) -> str:
         parts.append(report.overhead_text(result["overhead"]))
     if result["ratios"]:
         parts.append(report.ratios_text(result["ratios"]))
+    if result.get("one_process"):
+        parts.append(report.one_process_text(result["one_process"]))
     if result.get("ledger"):
         parts.append(report.ledger_text(result["ledger"]))
     if result.get("scaling", {}).get("engines"):
