@@ -97,3 +97,31 @@ def test_gradients_are_all_reduced_once_per_optimizer_step(runs, name):
     # Each micro-step: one small all-reduce (rows, metric states); else only fit's own set-up.
     assert counts.get("row all-reduce") == MICRO_STEPS, (backend, name, counts)
     assert sum(counts.values()) <= MICRO_STEPS + updates + 10, (backend, name, counts)
+
+
+# -- pure rules (no processes) -----------------------------------------------------------------
+def test_which_optimizers_accumulate_with_one_all_reduce_per_optimizer_step():
+    import keras
+
+    from keras_mwms.backends.policy import accumulation_steps
+
+    assert accumulation_steps(keras.optimizers.Adam(gradient_accumulation_steps=3)) == 3
+    assert accumulation_steps(keras.optimizers.Adam()) == 0
+    wrapped = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(gradient_accumulation_steps=2))
+    assert accumulation_steps(wrapped) == 0   # decides overflow on every micro-step's global gradient
+
+
+def test_benchmark_accumulation_rows_and_arguments():
+    from keras_mwms.benchmark import accumulation
+
+    assert accumulation.build_parser("bench").parse_args(["--k", "4,1,4"]).k == [1, 4]
+    with pytest.raises(SystemExit):
+        accumulation.build_parser("bench").parse_args(["--k", "0"])
+    measured = [{"k": k, "micro_steps": 8, "optimizer_steps": 8 // k, "seconds_per_micro_step": seconds,
+                 "collectives": {"gradient all-reduce": 8 // k, "row all-reduce": 8},
+                 "engine_bytes_per_micro_step": 400 / k, "parameters": 100}
+                for k, seconds in ((1, 0.02), (4, 0.01), (1, 0.03))]   # the best repeat counts
+    rows = accumulation.rows_for("jax", measured)
+    assert rows == [["jax", 1, 20.0, 1.0, "1.00", 2.0, 400], ["jax", 4, 10.0, 2.0, "1.00", 1.25, 100]]
+    in_graph = [dict(row, collectives={"train step (in-graph collectives)": 8}) for row in measured]
+    assert accumulation.rows_for("tensorflow", in_graph)[1][4] == "in-graph"
