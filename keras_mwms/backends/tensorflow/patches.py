@@ -186,6 +186,13 @@ def patch_table(backend: Any) -> PatchTable:
               replacement=data.pydataset_order_at_epoch_begin,
               works_around="the epoch's batch order of a PyDataset read by index, drawn on the "
                            "main thread with Python's random as Keras draws it"),
+        Patch(name="tf-one-replica-plain-iterator",
+              target=f"{_TRAINER}:TFEpochIterator.__init__",
+              replacement=data.feed_one_replica_undistributed(backend),
+              works_around="one worker with one replica: Keras' distributed iterator costs Python "
+                           "and a multi-device read every step for batches the plain tf.data "
+                           "iterator gives unchanged",
+              parameters=("distribute_strategy",)),
         Patch(name="tf-ledger-train-step",
               target=f"{_TRAINER}:TensorFlowTrainer.make_train_function",
               replacement=_counted_train_function,
