@@ -229,6 +229,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         run_tensorflow_native_role(config, workers, result)
     result["versions"] = versions(backend_name)
+    if role == torch_variants.NIGHTLY_ROLE:   # not the run's Keras: the report merges versions
+        result["versions"] = {"keras_nightly": result["versions"]["keras"]}
     result_path = f"{result_prefix}.worker{result['worker_index']}.json"
     with open(result_path + ".tmp", "w") as file:
         json.dump(result, file, indent=1)
