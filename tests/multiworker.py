@@ -16,6 +16,7 @@ exception; what the processes printed is returned, or attached to the failure.
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import subprocess
@@ -26,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from keras_mwms.launch import Gang, _die_with_parent
+from keras_mwms.launch import Gang, _die_with_parent, find_free_ports
 
 REPO = Path(__file__).resolve().parent.parent
 WORKERS_DIR = Path(__file__).resolve().parent / "workers"
@@ -221,6 +222,15 @@ class ProcessesResult:
         return "\n".join(f"--- process {index}: exit code {code} after {seconds:.1f} s\n{output[-tail:]}"
                          for index, (code, seconds, output)
                          in enumerate(zip(self.codes, self.seconds, self.outputs)))
+
+
+def gang_spawns(argv: Sequence[str], workers: int, env: dict[str, str]) -> list[Spawn]:
+    """One `Spawn` per worker of a localhost gang on free ports: `argv` with `env` and the
+    worker's TF_CONFIG (for `run_processes`, beside other processes such as a reference)."""
+    addresses = [f"localhost:{port}" for port in find_free_ports(workers)]
+    return [Spawn(argv, {**env, "TF_CONFIG": json.dumps(
+        {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}})})
+            for index in range(workers)]
 
 
 def run_processes(spawns: Sequence[Spawn], timeout: float, grace_after_failure: float | None = None,

@@ -19,14 +19,12 @@ of gradient all-reduces: one per K micro-steps, beside one small all-reduce per 
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 
 import pytest
 
-from keras_mwms.launch import find_free_ports
-from tests.multiworker import Spawn, python_worker, run_processes, worker_env
+from tests.multiworker import Spawn, gang_spawns, python_worker, run_processes, worker_env
 from tests.workers.common import max_weight_difference
 from tests.workers.fit_scenario import load_dump
 
@@ -52,11 +50,7 @@ def runs(request, tmp_path_factory):
     """The backend's gang (both scenarios) and the one-process reference, run at the same time."""
     backend = request.param
     root = tmp_path_factory.mktemp(f"accumulation-{backend}")
-    workers = [f"localhost:{port}" for port in find_free_ports(2)]
-    spawns = [Spawn(_command(str(root / "gang")),
-                    {**worker_env(backend), "TF_CONFIG": json.dumps(
-                        {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})})
-              for index in range(2)]
+    spawns = gang_spawns(_command(str(root / "gang")), 2, worker_env(backend))
     spawns.append(Spawn(_command(str(root / "reference")), worker_env(backend)))
     ran = run_processes(spawns, timeout=RUN_TIMEOUT, grace_after_failure=60)
     assert ran.codes == [0, 0, 0], ran.log()

@@ -33,8 +33,7 @@ import pytest
 from keras_mwms.backends.compression import WireBytes, relative_rounding, wire_dtype
 from keras_mwms.benchmark import compression as benchmark
 from keras_mwms.communication import COMPRESSION_ENV, CommunicationOptions
-from keras_mwms.launch import find_free_ports
-from tests.multiworker import Spawn, python_worker, run_processes, worker_env
+from tests.multiworker import Spawn, gang_spawns, python_worker, run_processes, worker_env
 from tests.workers.common import max_weight_difference
 from tests.workers.fit_scenario import load_dump
 
@@ -62,12 +61,7 @@ def runs(request, tmp_path_factory):
     """The backend's gang (every scenario) and the one-process reference, run at the same time."""
     backend = request.param
     root = tmp_path_factory.mktemp(f"compression-{backend}")
-    ports = find_free_ports(2)
-    workers = [f"localhost:{port}" for port in ports]
-    spawns = [Spawn(_command(str(root / "gang"), ("plain", *COMPRESSED[backend])),
-                    {**worker_env(backend), "TF_CONFIG": json.dumps(
-                        {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})})
-              for index in range(2)]
+    spawns = gang_spawns(_command(str(root / "gang"), ("plain", *COMPRESSED[backend])), 2, worker_env(backend))
     spawns.append(Spawn(_command(str(root / "reference"), ["plain"]) + ["--record-path"], worker_env(backend)))
     ran = run_processes(spawns, timeout=RUN_TIMEOUT, grace_after_failure=60)
     assert ran.codes == [0, 0, 0], ran.log()

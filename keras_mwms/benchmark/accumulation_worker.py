@@ -13,9 +13,10 @@ fresh MLP (same seed), `SGD(0.01, gradient_accumulation_steps=K)` (none for K = 
 
 from __future__ import annotations
 
-import json
 import sys
 import time
+
+from keras_mwms.benchmark.compression_worker import run_gang_worker
 
 
 def fit_once(strategy, settings: dict, steps_per_update: int) -> dict:
@@ -60,22 +61,8 @@ def fit_once(strategy, settings: dict, steps_per_update: int) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    out, settings_path = argv
-    with open(settings_path) as file:
-        settings = json.load(file)
-    import keras
-
-    import keras_mwms
-
-    if keras.backend.backend() == "torch":
-        import torch
-
-        torch.set_num_threads(1)
-    strategy = keras_mwms.MultiWorkerMirroredStrategy()
-    rows = [fit_once(strategy, settings, k) for _ in range(settings["repeats"]) for k in settings["ks"]]
-    with open(out, "w") as file:
-        json.dump({"worker": strategy.worker_index, "rows": rows}, file)
-    return 0
+    return run_gang_worker(argv, lambda strategy, settings: [
+        fit_once(strategy, settings, k) for _ in range(settings["repeats"]) for k in settings["ks"]])
 
 
 if __name__ == "__main__":

@@ -79,7 +79,9 @@ def fit_once(strategy, settings: dict, compression: str | None) -> dict:
             "parameters": model.count_params()}
 
 
-def main(argv: list[str]) -> int:
+def run_gang_worker(argv: list[str], fit_rows) -> int:
+    """A benchmark gang worker's whole run: `argv` is `OUT.json SETTINGS.json`; writes
+    `{"worker": index, "rows": fit_rows(strategy, settings)}` to OUT.json (torch: one thread)."""
     out, settings_path = argv
     with open(settings_path) as file:
         settings = json.load(file)
@@ -92,10 +94,15 @@ def main(argv: list[str]) -> int:
 
         torch.set_num_threads(1)
     strategy = keras_mwms.MultiWorkerMirroredStrategy()
-    rows = [fit_once(strategy, settings, compression) for compression in settings["compressions"]]
+    rows = fit_rows(strategy, settings)
     with open(out, "w") as file:
         json.dump({"worker": strategy.worker_index, "rows": rows}, file)
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return run_gang_worker(argv, lambda strategy, settings: [
+        fit_once(strategy, settings, compression) for compression in settings["compressions"]])
 
 
 if __name__ == "__main__":
