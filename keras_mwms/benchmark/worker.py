@@ -145,17 +145,22 @@ def run_keras_mwms_role(config: BenchmarkConfig, backend_name: str, result: dict
                         runs.add(peers.tensorflow_peer_fit, variant, None, *arguments)
     result["fits"] = runs.fits
     if workers > 1:
-        from keras_mwms.benchmark import allreduce
+        result["allreduce"] = _allreduce_rows(strategy, config, backend_name)
 
-        rows = []
-        rows += allreduce.measure(strategy, backend_name, [4], config.iterations_for, label="latency")
-        if "allreduce" in config.sections:
-            rows += allreduce.measure(strategy, backend_name, config.sizes, config.iterations_for)
-        if "fit" in config.sections:
-            for model_name in config.models:
-                rows += allreduce.measure(strategy, backend_name, [4 * parameter_count(config, model_name)],
-                                          config.iterations_for, label=f"gradients:{model_name}")
-        result["allreduce"] = rows
+
+def _allreduce_rows(strategy, config: BenchmarkConfig, backend_name: str) -> list[dict]:
+    """The gang's all-reduce section: the 4-byte latency, the size sweep (with "allreduce") and
+    each model's gradient bytes (with "fit")."""
+    from keras_mwms.benchmark import allreduce
+
+    rows = allreduce.measure(strategy, backend_name, [4], config.iterations_for, label="latency")
+    if "allreduce" in config.sections:
+        rows += allreduce.measure(strategy, backend_name, config.sizes, config.iterations_for)
+    if "fit" in config.sections:
+        for model_name in config.models:
+            rows += allreduce.measure(strategy, backend_name, [4 * parameter_count(config, model_name)],
+                                      config.iterations_for, label=f"gradients:{model_name}")
+    return rows
 
 
 def run_scaling_role(config: BenchmarkConfig, backend_name: str, result: dict) -> None:
@@ -165,7 +170,6 @@ def run_scaling_role(config: BenchmarkConfig, backend_name: str, result: dict) -
     (`config.global_batch ÷ config.workers`); no peers (see `keras_mwms.benchmark.scaling`).
     """
     import keras_mwms
-    from keras_mwms.benchmark import allreduce
 
     started = time.perf_counter()
     strategy = keras_mwms.MultiWorkerMirroredStrategy()
@@ -180,14 +184,7 @@ def run_scaling_role(config: BenchmarkConfig, backend_name: str, result: dict) -
             for repeat in range(config.repeats):
                 runs.add(keras_mwms_fit, strategy, weak, model_name, repeat, x, y)
     result["fits"] = runs.fits
-    rows = allreduce.measure(strategy, backend_name, [4], config.iterations_for, label="latency")
-    if "allreduce" in config.sections:
-        rows += allreduce.measure(strategy, backend_name, config.sizes, config.iterations_for)
-    if "fit" in config.sections:
-        for model_name in config.models:
-            rows += allreduce.measure(strategy, backend_name, [4 * parameter_count(config, model_name)],
-                                      config.iterations_for, label=f"gradients:{model_name}")
-    result["allreduce"] = rows
+    result["allreduce"] = _allreduce_rows(strategy, config, backend_name)
 
 
 def run_tensorflow_native_role(config: BenchmarkConfig, workers: int, result: dict) -> None:
