@@ -14,7 +14,8 @@ short last batch of 14 rows, so the row weighting of uneven micro-batches is exe
 process weighs each micro-batch's mean gradient alike, `(g_1 + … + g_K) / K`). The tests assert
 workers bit-identical, within 1e-5 of one process, the same optimizer step count, and, where
 the backend all-reduces once per optimizer step (torch, the JAX flat path), the ledger's count
-of gradient all-reduces: one per K micro-steps, beside one small all-reduce per micro-step.
+of gradient all-reduces: one per K micro-steps on every backend, beside one small all-reduce
+per micro-step (on TensorFlow inside the step's graph, not counted one by one).
 """
 
 from __future__ import annotations
@@ -82,12 +83,15 @@ def test_accumulating_workers_match_one_process(runs, name):
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_gradients_are_all_reduced_once_per_optimizer_step(runs, name):
     backend, root = runs
-    if backend == "tensorflow":
-        pytest.skip("TensorFlow's step runs its collectives inside one tf.function: the ledger sees "
-                    "the step, not each all-reduce (it all-reduces every micro-step, see the README)")
     counts = _dump(root, "gang", name, 0)["fit_collectives"]
     updates = MICRO_STEPS // STEPS[name]
     assert counts.get("gradient all-reduce") == updates, (backend, name, counts)
+    if backend == "tensorflow":
+        # The window all-reduce is counted from the graph when it runs; the step's row-count
+        # all-reduce lives inside the step's tf.function, where the ledger sees the step only.
+        assert counts.get("train step (in-graph collectives)") == MICRO_STEPS, (backend, name, counts)
+        assert sum(counts.values()) <= MICRO_STEPS + updates + 10, (backend, name, counts)
+        return
     # Each micro-step: one small all-reduce (rows, metric states); else only fit's own set-up.
     assert counts.get("row all-reduce") == MICRO_STEPS, (backend, name, counts)
     assert sum(counts.values()) <= MICRO_STEPS + updates + 10, (backend, name, counts)

@@ -5,8 +5,10 @@ Per backend one gang of 2 workers on localhost fits the same MLP with
 same processes, and prints per K: milliseconds per micro-step (best repeat), the speed-up over
 K = 1, gradient all-reduces per optimizer step, all collectives per micro-step (row counts and
 metric states still cross every micro-step, so batch logs stay global) and the bytes handed to
-the engine per micro-step. TensorFlow runs its collectives inside one `tf.function` step, where
-the ledger cannot count them one by one ("in-graph"); it all-reduces every micro-step.
+the engine per micro-step. TensorFlow runs a step's collectives inside one `tf.function`, where
+the ledger counts the step (one entry for its in-graph collectives: the row count, or at K = 1
+the gradients carrying it), so its K = 1 gradient all-reduce shows as "in-graph"; the window
+all-reduce of K > 1 is counted when it runs.
 
     python -m keras_mwms.benchmark accumulation --backends torch,jax --k 1,4
 

@@ -6,15 +6,23 @@ silently (workers stay bit-identical, so nothing looks broken):
 * **Row weights.** Each replica's loss is its *local* mean divided by the number of replicas,
   so with uneven splits a row weighs `1 / (local rows × replicas)` — e.g. 1/33 and 1/30
   instead of 1/32 for a global batch of 32 on 3 workers, 1/8 for a partial batch's lone row
-  on its replica. Here each Keras-loop step first sums the replicas' row counts (one scalar
-  all-reduce: on the benchmark MLP, 2 workers, 0.92× the Keras 3 + tf.distribute peer with
-  it, 1.03× without, in two runs on the 2-core CI machine)
-  and scales the loss by `replicas × local rows / global rows`; gradients are then averaged
-  over replicas. A row weighs `1 / global rows` on every replica, and a loss a custom
-  `train_step` logs is the global batch's mean, as in one process. (Full, evenly split
-  batches have a scale of exactly 1.) Under a `LossScaleOptimizer` the scale is the row share,
-  `local rows / global rows`, and gradients are summed: per row, the float16 values of each
-  replica's scaled backward are then one process's, so steps overflow as in one process.
+  on its replica. Here a row weighs `1 / global rows` on every replica, in one of two ways:
+
+  - Keras' own `train_step` / `test_step` (the loss is used only for the gradient and the
+    loss trackers): the loss stays the replica's local mean; each gradient is multiplied by
+    the local row count, which rides as one more float32 value in the gradient all-reduce
+    (a sum), and the sums are divided by the global row count — what the JAX flat path and
+    torch do. One collective per step; `evaluate` sends none.
+  - A custom `train_step` / `test_step` (it may log the loss it computes) or a
+    `LossScaleOptimizer`: each step first sums the replicas' row counts (one scalar
+    all-reduce) and scales the loss by `replicas × local rows / global rows`; gradients are
+    then averaged over replicas, so a loss a custom `train_step` logs is the global batch's
+    mean, as in one process. (Full, evenly split batches have a scale of exactly 1.) Under a
+    `LossScaleOptimizer` the scale is the row share, `local rows / global rows`, and gradients
+    are summed: per row, the float16 values of each replica's scaled backward are then one
+    process's, so steps overflow as in one process.
+
+  On the benchmark MLP, 2 workers, the scalar all-reduce cost ≈ 7 % of the step.
 * **Clipping.** `clipnorm` / `global_clipnorm` / `clipvalue` ran on each replica's partial
   gradient, before the all-reduce. Here gradients are all-reduced first.
 * **Gradient accumulation.** Keras' `tf.cond` around the update contains a `merge_call`, which
@@ -44,6 +52,7 @@ from typing import Any
 
 from keras_mwms.backends import policy
 from keras_mwms.backends.compression import WIRE, wire_dtype
+from keras_mwms.backends.tensorflow.accumulation import accumulate_or_apply, accumulates_locally
 
 
 def _rows_of(nest):
@@ -53,6 +62,44 @@ def _rows_of(nest):
     if not leaves:
         return None
     return tf.cast(tf.shape(leaves[0])[0], tf.float32)
+
+
+def keras_own_steps(model: Any) -> bool:
+    """Whether `model` trains and evaluates with Keras' own `train_step` and `test_step`.
+
+    Those use the loss only for the gradient and (unscaled) for the loss trackers, so the row
+    weighting may move from the loss to the gradient all-reduce. A subclass overriding either
+    may log the loss it computes: it keeps the row-count all-reduce and the scaled loss.
+
+    Example:
+
+    >>> import keras
+    >>> keras_own_steps(keras.Sequential([keras.layers.Dense(1)]))
+    True
+    >>> class Custom(keras.Model):
+    ...     def train_step(self, data):
+    ...         return super().train_step(data)
+    >>> keras_own_steps(Custom())
+    False
+    """
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    kind = type(model)
+    return (model is not None and kind.train_step is TensorFlowTrainer.train_step
+            and kind.test_step is TensorFlowTrainer.test_step)
+
+
+def _scaled(value, factor, divide: bool = False):
+    """`value × factor` (or `value / factor`, 0 where the factor is 0), for a tensor or IndexedSlices."""
+    import tensorflow as tf
+
+    def combine(tensor):
+        factor_ = tf.cast(factor, tensor.dtype)
+        return tf.math.divide_no_nan(tensor, factor_) if divide else tensor * factor_
+
+    if isinstance(value, tf.IndexedSlices):
+        return tf.IndexedSlices(combine(value.values), value.indices, value.dense_shape)
+    return combine(value)
 
 
 def _times(value, factor):
@@ -118,6 +165,16 @@ class RowWeighting:
 
         return isinstance(getattr(self._loop_model(), "optimizer", None), LossScaleOptimizer)
 
+    def _counts_in_gradient_all_reduce(self) -> bool:
+        """Whether this loop's steps may carry the row count in the gradient all-reduce.
+
+        Keras' own train/test steps without accumulation: an accumulating optimizer weighs each
+        micro-step by its own global row count, so it needs the count before the window's sum.
+        """
+        model = self._loop_model()
+        optimizer = getattr(model, "optimizer", None)
+        return keras_own_steps(model) and not getattr(optimizer, "gradient_accumulation_steps", None)
+
     def _factor(self):
         return getattr(self._replica, "factor", None)
 
@@ -134,9 +191,15 @@ class RowWeighting:
 
                 rows = _rows_of((step_args, step_kwargs))
                 context = tf.distribute.get_replica_context()
-                replicas = 1 if self._loss_scaled() else context.num_replicas_in_sync
+                loss_scaled = self._loss_scaled()
+                replicas = 1 if loss_scaled else context.num_replicas_in_sync
                 if rows is None:        # no batch to count: every replica's loss counts alike
                     self._replica.factor = tf.constant(replicas / context.num_replicas_in_sync)
+                elif not loss_scaled and self._counts_in_gradient_all_reduce():
+                    # The loss stays the local mean; the row count rides in the gradient
+                    # all-reduce (`apply_after_all_reduce`).
+                    self._replica.factor = tf.constant(1.0)
+                    self._replica.rows = rows
                 else:
                     WIRE.trace("row count", 4)
                     global_rows = context.all_reduce(tf.distribute.ReduceOp.SUM, rows)
@@ -145,6 +208,7 @@ class RowWeighting:
                     return fn(*step_args, **step_kwargs)
                 finally:
                     self._replica.factor = None
+                    self._replica.rows = None
 
             return original(replica_step, *args, **kwargs)
 
@@ -183,8 +247,36 @@ class RowWeighting:
             # scaled each replica's loss by 1/replicas: sum, as Keras does. (The loop count,
             # not the replica thread's factor: LossScaleOptimizer applies from a replica
             # thread of its own.)
-            operation = tf.distribute.ReduceOp.MEAN if self.loops_running else tf.distribute.ReduceOp.SUM
-            reduced = self._all_reduce(context, operation, list(grads))
+            if accumulates_locally(optimizer, self.strategy):
+                # The replica's share of the global mean gradient stays on the worker until the
+                # K-th micro-step (`keras_mwms.backends.tensorflow.accumulation`).
+                divisor = context.num_replicas_in_sync if self.loops_running else 1
+                shares = [tf.convert_to_tensor(_scaled(grad, divisor, divide=True)) for grad in grads]
+
+                def accumulate(distribution, replica_shares):
+                    accumulate_or_apply(
+                        optimizer, [distribution.experimental_local_results(share)[0] for share in replica_shares],
+                        trainable_variables, lambda window: self._sum_across_workers(distribution, window))
+
+                context.merge_call(accumulate, args=(shares,))
+                return
+            rows = getattr(self._replica, "rows", None)
+            if rows is not None:
+                # Keras' own train_step: sum rows × local-mean gradients with the row counts in
+                # one all-reduce, then divide by the global row count.
+                weighted = [_scaled(grad, rows) for grad in grads]
+                if all(self._sent_dtype(grad) == rows.dtype for grad in grads):
+                    *summed, global_rows = self._all_reduce(context, tf.distribute.ReduceOp.SUM, weighted,
+                                                            exact=[rows])
+                else:   # TF packs one dtype per collective: 16-bit (compressed) or float64 gradients
+                    summed = self._all_reduce(context, tf.distribute.ReduceOp.SUM, weighted)
+                    WIRE.trace("row count", 4)
+                    global_rows = context.all_reduce(tf.distribute.ReduceOp.SUM, rows)
+                reduced = [_scaled(total, global_rows, divide=True) for total in summed]
+            else:
+                operation = (tf.distribute.ReduceOp.MEAN if self.loops_running
+                             else tf.distribute.ReduceOp.SUM)
+                reduced = self._all_reduce(context, operation, list(grads))
 
             def update(distribution, reduced_grads):
                 local = [distribution.experimental_local_results(grad)[0] for grad in reduced_grads]
@@ -243,26 +335,55 @@ class RowWeighting:
 
         return _tf_apply
 
-    def _all_reduce(self, context, operation, grads: list) -> list:
-        """`context.all_reduce(operation, grads)`, float32 gradients in 16 bits when compressing.
+    def _sent_dtype(self, grad):
+        """The dtype `grad` travels in: its wire type when compressing, else its own."""
+        import tensorflow as tf
+
+        wire = wire_dtype(self.compression(), grad.dtype.name)
+        return tf.as_dtype(wire) if wire else grad.dtype
+
+    def _all_reduce(self, context, operation, grads: list, exact: list = ()) -> list:
+        """`context.all_reduce(operation, grads + exact)`, float32 gradients in 16 bits when compressing.
 
         Summed in the wire type, cast back, then divided by the replicas for a mean: the
-        division runs in float32. Records the bytes it hands the collective (`WIRE.trace`).
+        division runs in float32. `exact` values (row counts) are never compressed; they are
+        returned last. Records the bytes it hands the collective (`WIRE.trace`).
         """
         import tensorflow as tf
 
-        wires = [wire_dtype(self.compression(), grad.dtype.name) for grad in grads]
+        exact = list(exact)
+        wires = [wire_dtype(self.compression(), grad.dtype.name) for grad in grads] + [None] * len(exact)
+        sent = list(grads) + exact
         WIRE.trace("gradient all-reduce", sum(
-            (grad.shape.num_elements() or 0) * (tf.as_dtype(wire) if wire else grad.dtype).size
-            for grad, wire in zip(grads, wires)))
+            (value.shape.num_elements() or 0) * (tf.as_dtype(wire) if wire else value.dtype).size
+            for value, wire in zip(sent, wires)))
         if not any(wires):
-            return context.all_reduce(operation, grads)
-        sent = [tf.cast(grad, wire) if wire else grad for grad, wire in zip(grads, wires)]
+            return context.all_reduce(operation, sent)
+        sent = [tf.cast(value, wire) if wire else value for value, wire in zip(sent, wires)]
         summed = context.all_reduce(tf.distribute.ReduceOp.SUM, sent)
-        reduced = [tf.cast(total, grad.dtype) for total, grad in zip(summed, grads)]
+        reduced = [tf.cast(total, value.dtype) for total, value in zip(summed, list(grads) + exact)]
         if operation == tf.distribute.ReduceOp.MEAN:
             reduced = [total / tf.cast(context.num_replicas_in_sync, total.dtype) for total in reduced]
         return reduced
+
+    def _sum_across_workers(self, distribution, tensors: list) -> list:
+        """In the cross-replica context (one replica per worker): each tensor summed over workers.
+
+        One all-reduce (TF packs the list per dtype); float32 in 16 bits when compressing.
+        """
+        import tensorflow as tf
+        from tensorflow.python.distribute import values as distribute_values
+
+        wires = [wire_dtype(self.compression(), tensor.dtype.name) for tensor in tensors]
+        WIRE.trace("gradient all-reduce", sum(
+            (tensor.shape.num_elements() or 0) * (tf.as_dtype(wire) if wire else tensor.dtype).size
+            for tensor, wire in zip(tensors, wires)))
+        sent = [distribute_values.PerReplica((tf.cast(tensor, wire) if wire else tensor,))
+                for tensor, wire in zip(tensors, wires)]
+        summed = distribution.extended.batch_reduce_to(
+            tf.distribute.ReduceOp.SUM, [(value, value) for value in sent])
+        return [tf.cast(distribution.experimental_local_results(total)[0], tensor.dtype)
+                for total, tensor in zip(summed, tensors)]
 
     @staticmethod
     def merge_call_in_cross_replica_context(original: Callable) -> Callable:

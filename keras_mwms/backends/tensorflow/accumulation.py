@@ -1,0 +1,95 @@
+"""Gradient accumulation on TensorFlow with one gradient all-reduce per optimizer step.
+
+With `gradient_accumulation_steps=K` Keras adds each micro-step's gradient to the optimizer's
+accumulators and applies `(gradient + accumulated) / K` every K-th micro-step. Under
+`keras_mwms.backends.tensorflow.gradients.RowWeighting` every micro-step's gradient was
+all-reduced before that (exact, but K collectives of the whole gradient per update). Here each
+worker keeps its own share of the window instead:
+
+* every micro-step the replica's *share* of the global mean gradient (its row-weighted gradient
+  ÷ replicas; the row counts are summed first, in the step's small scalar all-reduce) is added
+  to the optimizer's accumulators. With one replica per worker, a mirrored variable holds one
+  copy per worker, and each worker's copy holds its own partial window;
+* on the K-th micro-step the window (accumulators + this share) is summed across workers in
+  one all-reduce (`sum_across_workers`), divided by K, clipped, and applied by Keras' own
+  update; the accumulators are zeroed.
+
+The sum of the shares over workers and micro-steps is the sum of K global mean gradients, the
+`(gradient + accumulated)` one process divides by K. Both branches live in one `tf.cond` in the
+cross-replica context, where TensorFlow allows the collective (a `merge_call` inside a replica
+`tf.cond` is refused). Each executed window all-reduce bumps `LEDGER.kinds["gradient all-reduce"]`.
+
+Limits: one replica per worker (several local GPUs keep the all-reduce per micro-step), no EMA
+(`use_ema`), no `LossScaleOptimizer` (it decides overflow per micro-step); a checkpoint written
+mid-window holds the chief's share only, as on torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+def accumulates_locally(optimizer: Any, strategy: Any) -> bool:
+    """Whether `optimizer`'s micro-steps may keep their gradients on the worker until the K-th.
+
+    Example:
+
+    >>> class Optimizer:
+    ...     gradient_accumulation_steps, use_ema = 4, False
+    >>> class Extended:
+    ...     worker_devices = ("/job:worker/task:0/device:CPU:0",)
+    >>> class Strategy:
+    ...     extended = Extended()
+    >>> accumulates_locally(Optimizer(), Strategy())
+    True
+    >>> Optimizer.use_ema = True
+    >>> accumulates_locally(Optimizer(), Strategy())
+    False
+    """
+    return (bool(getattr(optimizer, "gradient_accumulation_steps", None))
+            and not getattr(optimizer, "use_ema", False)
+            and len(strategy.extended.worker_devices) == 1)
+
+
+def count_window_all_reduce() -> None:
+    """Counts one executed window all-reduce in the collective ledger (called from the graph)."""
+    from keras_mwms.diagnostics import LEDGER
+
+    LEDGER.kinds["gradient all-reduce"] += 1
+
+
+def accumulate_or_apply(optimizer: Any, shares: list, trainable_variables: list,
+                        sum_across_workers: Callable[[list], list]) -> None:
+    """In the cross-replica context: add this worker's `shares` to the window, or apply it.
+
+    Args:
+        optimizer: a Keras optimizer with `gradient_accumulation_steps` K, built.
+        shares: this worker's share of each variable's global mean gradient, plain tensors.
+        trainable_variables: the variables `shares` belong to, in order.
+        sum_across_workers: sums a list of this worker's tensors over all workers (one
+            all-reduce) and returns the totals, plain tensors in the same dtypes.
+    """
+    import tensorflow as tf
+    from keras import ops
+
+    steps = optimizer.gradient_accumulation_steps
+    accumulators = [optimizer._accumulated_gradients[optimizer._get_variable_index(variable)]
+                    for variable in trainable_variables]
+    window = [share + accumulator.value for share, accumulator in zip(shares, accumulators)]
+    is_update_step = (optimizer._iterations + 1) % steps == 0
+
+    def apply_window():
+        totals = sum_across_workers(window)
+        with tf.control_dependencies(totals):
+            tf.py_function(count_window_all_reduce, [], [])
+        grads = optimizer._clip_gradients([total / steps for total in totals])
+        optimizer._apply_weight_decay(trainable_variables)
+        optimizer._backend_update_step(grads, trainable_variables, optimizer.learning_rate)
+        optimizer._backend_reset_gradient_accumulators()
+
+    def keep_window():
+        for accumulator, value in zip(accumulators, window):
+            accumulator.assign(value)
+
+    ops.cond(is_update_step, apply_window, keep_window)
