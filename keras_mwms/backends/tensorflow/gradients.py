@@ -9,10 +9,11 @@ silently (workers stay bit-identical, so nothing looks broken):
   on its replica. Here a row weighs `1 / global rows` on every replica, in one of two ways:
 
   - Keras' own `train_step` / `test_step` (the loss is used only for the gradient and the
-    loss trackers): the loss stays the replica's local mean; each gradient is multiplied by
-    the local row count, which rides as one more float32 value in the gradient all-reduce
-    (a sum), and the sums are divided by the global row count — what the JAX flat path and
-    torch do. One collective per step; `evaluate` sends none.
+    loss trackers, which divide the scale out again): the loss is scaled by the local row
+    count, so backward yields rows × the local mean gradient; the count rides as one more
+    float32 value in the gradient all-reduce (a sum), and the sums are divided by the global
+    row count — what the JAX flat path and torch do. One collective per step; `evaluate`
+    sends none. (One replica in all: no scaling, its rows are the global batch.)
   - A custom `train_step` / `test_step` (it may log the loss it computes) or a
     `LossScaleOptimizer`: each step first sums the replicas' row counts (one scalar
     all-reduce) and scales the loss by `replicas × local rows / global rows`; gradients are
@@ -89,27 +90,17 @@ def keras_own_steps(model: Any) -> bool:
             and kind.test_step is TensorFlowTrainer.test_step)
 
 
-def _scaled(value, factor, divide: bool = False):
-    """`value × factor` (or `value / factor`, 0 where the factor is 0), for a tensor or IndexedSlices."""
-    import tensorflow as tf
-
-    def combine(tensor):
-        factor_ = tf.cast(factor, tensor.dtype)
-        return tf.math.divide_no_nan(tensor, factor_) if divide else tensor * factor_
-
-    if isinstance(value, tf.IndexedSlices):
-        return tf.IndexedSlices(combine(value.values), value.indices, value.dense_shape)
-    return combine(value)
-
-
 def _times(value, factor):
     return value * factor
 
 
 def _divided(value, factor):
+    """`value / factor` (0 where the factor is 0), for a tensor or IndexedSlices."""
     import tensorflow as tf
 
-    return tf.math.divide_no_nan(value, factor)
+    if isinstance(value, tf.IndexedSlices):
+        return tf.IndexedSlices(_divided(value.values, factor), value.indices, value.dense_shape)
+    return tf.math.divide_no_nan(value, tf.cast(factor, value.dtype))
 
 
 class RowWeighting:
@@ -195,10 +186,13 @@ class RowWeighting:
                 replicas = 1 if loss_scaled else context.num_replicas_in_sync
                 if rows is None:        # no batch to count: every replica's loss counts alike
                     self._replica.factor = tf.constant(replicas / context.num_replicas_in_sync)
-                elif not loss_scaled and self._counts_in_gradient_all_reduce():
-                    # The loss stays the local mean; the row count rides in the gradient
-                    # all-reduce (`apply_after_all_reduce`).
+                elif context.num_replicas_in_sync == 1:   # its rows are the global batch
                     self._replica.factor = tf.constant(1.0)
+                elif not loss_scaled and self._counts_in_gradient_all_reduce():
+                    # The loss times the local row count: backward yields rows × the local mean
+                    # gradient at no extra cost; the count rides in the gradient all-reduce
+                    # (`apply_after_all_reduce`), and the loss trackers divide it out again.
+                    self._replica.factor = rows
                     self._replica.rows = rows
                 else:
                     WIRE.trace("row count", 4)
@@ -251,7 +245,7 @@ class RowWeighting:
                 # The replica's share of the global mean gradient stays on the worker until the
                 # K-th micro-step (`keras_mwms.backends.tensorflow.accumulation`).
                 divisor = context.num_replicas_in_sync if self.loops_running else 1
-                shares = [tf.convert_to_tensor(_scaled(grad, divisor, divide=True)) for grad in grads]
+                shares = [tf.convert_to_tensor(_divided(grad, divisor)) for grad in grads]
 
                 def accumulate(distribution, replica_shares):
                     accumulate_or_apply(
@@ -262,9 +256,10 @@ class RowWeighting:
                 return
             rows = getattr(self._replica, "rows", None)
             if rows is not None:
-                # Keras' own train_step: sum rows × local-mean gradients with the row counts in
-                # one all-reduce, then divide by the global row count.
-                weighted = [_scaled(grad, rows) for grad in grads]
+                # Keras' own train_step: its loss was scaled by the row count, so the gradients
+                # are rows × the local mean's. Sum them with the row counts in one all-reduce,
+                # then divide by the global row count.
+                weighted = list(grads)
                 if all(self._sent_dtype(grad) == rows.dtype for grad in grads):
                     *summed, global_rows = self._all_reduce(context, tf.distribute.ReduceOp.SUM, weighted,
                                                             exact=[rows])
@@ -272,7 +267,7 @@ class RowWeighting:
                     summed = self._all_reduce(context, tf.distribute.ReduceOp.SUM, weighted)
                     WIRE.trace("row count", 4)
                     global_rows = context.all_reduce(tf.distribute.ReduceOp.SUM, rows)
-                reduced = [_scaled(total, global_rows, divide=True) for total in summed]
+                reduced = [_divided(total, global_rows) for total in summed]
             else:
                 operation = (tf.distribute.ReduceOp.MEAN if self.loops_running
                              else tf.distribute.ReduceOp.SUM)
