@@ -7,8 +7,8 @@ latency of one step and β the seconds per byte sent,
 
     A(n, S) = m · 2(n−1) · α + 2(n−1)/n · S · β
 
-where m is the number of collectives a step issues (JAX's flat path and TensorFlow: one vector,
-the row count riding along; torch: its buckets, see `torch_buckets`). α and β are fitted by
+where m is the number of collectives a step issues (JAX's flat path: one vector; TensorFlow:
+the gradients with the row count, then the metric states; torch: its buckets, see `torch_buckets`). α and β are fitted by
 least squares on the all-reduce section's (n, S, seconds) rows — relative residuals, because
 the sizes span five decades and plain least squares would ignore every row but the largest —
 with both kept non-negative (`fit_alpha_beta`).

@@ -142,17 +142,18 @@ def messages_per_step(backend: str, gradient_bytes: int) -> int:
 
     torch: its gradient buckets (the metric states and row counts ride in the last one); JAX's
     flat path: one vector (metrics ride along); TensorFlow with Keras' own train step: the
-    gradients in one pack, the row count riding along (`keras_mwms.backends.tensorflow.gradients`;
-    a custom `train_step` adds a scalar all-reduce of the row counts first).
+    gradients in one pack with the row count riding along (`keras_mwms.backends.tensorflow.gradients`),
+    then the metric states (their sync-on-read variables, read for the step's logs); a custom
+    `train_step` adds a scalar all-reduce of the row counts first. (Counted in a traced step.)
 
     Example:
 
     >>> [messages_per_step(backend, 2_254_888) for backend in ("tensorflow", "jax", "torch")]
-    [1, 1, 2]
+    [2, 1, 2]
     """
     if backend == "torch":
         return cost_model.torch_buckets(gradient_bytes)
-    return 1
+    return 2 if backend == "tensorflow" else 1
 
 
 def _measured_rows(fits: Sequence[dict], config: BenchmarkConfig, engines: dict[str, dict], threads: int,
@@ -226,7 +227,7 @@ ASSUMPTIONS = (
     "(measured here, same threads); step = compute + ring all-reduce (serial: TensorFlow, JAX) or "
     "max(compute, all-reduce) (overlapped: torch's buckets during backward, the optimistic bound); "
     "ring all-reduce = m·2(n-1)·alpha + 2(n-1)/n·bytes·beta, m = collectives per step (torch: its "
-    "buckets; TensorFlow, JAX: 1, the row count riding along); alpha, beta: least squares (relative "
+    "buckets; TensorFlow: gradients with the row count + metric states; JAX: 1); alpha, beta: least squares (relative "
     "residuals) on the all-reduce sizes (without the 4-byte latency row) of the counts that are "
     "not oversubscribed; on a network link of L bit/s, beta = (fitted beta - 1/loopback bandwidth) "
     "+ 8/L (the engine's CPU work per byte stays, the wire changes), alpha as fitted; at the measured "

@@ -17,7 +17,7 @@ worker keeps its own share of the window instead:
 The sum of the shares over workers and micro-steps is the sum of K global mean gradients, the
 `(gradient + accumulated)` one process divides by K. Both branches live in one `tf.cond` in the
 cross-replica context, where TensorFlow allows the collective (a `merge_call` inside a replica
-`tf.cond` is refused). Each executed window all-reduce bumps `LEDGER.kinds["gradient all-reduce"]`.
+`tf.cond` is refused). Each window all-reduce that runs is counted (`count_window_all_reduce`).
 
 Limits: one replica per worker (several local GPUs keep the all-reduce per micro-step), no EMA
 (`use_ema`), no `LossScaleOptimizer` (it decides overflow per micro-step); a checkpoint written
@@ -52,11 +52,23 @@ def accumulates_locally(optimizer: Any, strategy: Any) -> bool:
             and len(strategy.extended.worker_devices) == 1)
 
 
-def count_window_all_reduce() -> None:
-    """Counts one executed window all-reduce in the collective ledger (called from the graph)."""
+def count_window_all_reduce(nbytes: int) -> None:
+    """Counts one executed window all-reduce of `nbytes` (called from the graph when it runs).
+
+    It goes to the collective ledger's kinds and to the bytes handed to the engine (`WIRE`:
+    added per run, since the window all-reduce does not run on every step).
+
+    Example:
+
+    >>> from keras_mwms.backends.compression import WIRE
+    >>> WIRE.reset(); count_window_all_reduce(400); WIRE.per_step(steps=4)
+    100.0
+    """
+    from keras_mwms.backends.compression import WIRE
     from keras_mwms.diagnostics import LEDGER
 
     LEDGER.kinds["gradient all-reduce"] += 1
+    WIRE.add(nbytes)
 
 
 def accumulate_or_apply(optimizer: Any, shares: list, trainable_variables: list,
@@ -68,9 +80,9 @@ def accumulate_or_apply(optimizer: Any, shares: list, trainable_variables: list,
         shares: this worker's share of each variable's global mean gradient, plain tensors.
         trainable_variables: the variables `shares` belong to, in order.
         sum_across_workers: sums a list of this worker's tensors over all workers (one
-            all-reduce) and returns the totals, plain tensors in the same dtypes.
+            all-reduce, counted by `count_window_all_reduce` when it runs) and returns the
+            totals, plain tensors in the same dtypes.
     """
-    import tensorflow as tf
     from keras import ops
 
     steps = optimizer.gradient_accumulation_steps
@@ -81,8 +93,6 @@ def accumulate_or_apply(optimizer: Any, shares: list, trainable_variables: list,
 
     def apply_window():
         totals = sum_across_workers(window)
-        with tf.control_dependencies(totals):
-            tf.py_function(count_window_all_reduce, [], [])
         grads = optimizer._clip_gradients([total / steps for total in totals])
         optimizer._apply_weight_decay(trainable_variables)
         optimizer._backend_update_step(grads, trainable_variables, optimizer.learning_rate)

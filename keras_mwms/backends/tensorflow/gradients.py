@@ -53,7 +53,11 @@ from typing import Any
 
 from keras_mwms.backends import policy
 from keras_mwms.backends.compression import WIRE, wire_dtype
-from keras_mwms.backends.tensorflow.accumulation import accumulate_or_apply, accumulates_locally
+from keras_mwms.backends.tensorflow.accumulation import (
+    accumulate_or_apply,
+    accumulates_locally,
+    count_window_all_reduce,
+)
 
 
 def _rows_of(nest):
@@ -370,15 +374,17 @@ class RowWeighting:
         from tensorflow.python.distribute import values as distribute_values
 
         wires = [wire_dtype(self.compression(), tensor.dtype.name) for tensor in tensors]
-        WIRE.trace("gradient all-reduce", sum(
-            (tensor.shape.num_elements() or 0) * (tf.as_dtype(wire) if wire else tensor.dtype).size
-            for tensor, wire in zip(tensors, wires)))
+        nbytes = sum((tensor.shape.num_elements() or 0) * (tf.as_dtype(wire) if wire else tensor.dtype).size
+                     for tensor, wire in zip(tensors, wires))
         sent = [distribute_values.PerReplica((tf.cast(tensor, wire) if wire else tensor,))
                 for tensor, wire in zip(tensors, wires)]
         summed = distribution.extended.batch_reduce_to(
             tf.distribute.ReduceOp.SUM, [(value, value) for value in sent])
-        return [tf.cast(distribution.experimental_local_results(total)[0], tensor.dtype)
-                for total, tensor in zip(summed, tensors)]
+        totals = [tf.cast(distribution.experimental_local_results(total)[0], tensor.dtype)
+                  for total, tensor in zip(summed, tensors)]
+        with tf.control_dependencies(totals):   # counted each time it runs (it runs every K-th step)
+            tf.py_function(functools.partial(count_window_all_reduce, nbytes), [], [])
+        return totals
 
     @staticmethod
     def merge_call_in_cross_replica_context(original: Callable) -> Callable:
