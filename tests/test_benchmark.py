@@ -146,7 +146,11 @@ def test_tiny_run_writes_sane_json(tiny_run):
     assert all(math.isfinite(number) for number in _numbers(result))
     assert result["threads_per_process"] >= 1
     scaling = result["scaling"]                      # the alpha-beta model from the 2-worker gang
-    assert scaling["engines"]["torch"]["fitted_from"] == [2] and scaling["engines"]["torch"]["beta_ns"] > 0
+    engine = scaling["engines"]["torch"]
+    # Non-negative and not degenerate. With these tiny, latency-bound sizes (4 KiB, 64 KiB and a
+    # small MLP's gradients) noise can make β fit to 0; tests/test_cost_model.py checks the fit itself.
+    assert engine["fitted_from"] == [2] and engine["alpha_us"] >= 0 and engine["beta_ns"] >= 0
+    assert engine["alpha_us"] + engine["beta_ns"] > 0
     assert [row["workers"] for row in scaling["measured"]] == [2] and "error_percent" in scaling["measured"][0]
     assert scaling["projection"] and all(0 < row["efficiency"] <= 1 for row in scaling["projection"])
 
