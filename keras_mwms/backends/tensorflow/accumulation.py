@@ -29,6 +29,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from keras_mwms.backends import policy
+
 
 def accumulates_locally(optimizer: Any, strategy: Any) -> bool:
     """Whether `optimizer`'s micro-steps may keep their gradients on the worker until the K-th.
@@ -47,7 +49,7 @@ def accumulates_locally(optimizer: Any, strategy: Any) -> bool:
     >>> accumulates_locally(Optimizer(), Strategy())
     False
     """
-    return (bool(getattr(optimizer, "gradient_accumulation_steps", None))
+    return (policy.accumulation_steps(optimizer) > 0
             and not getattr(optimizer, "use_ema", False)
             and len(strategy.extended.worker_devices) == 1)
 

@@ -94,6 +94,19 @@ def keras_own_steps(model: Any) -> bool:
             and kind.test_step is TensorFlowTrainer.test_step)
 
 
+def _wires(compression: str | None, values: list) -> list:
+    """Each value's 16-bit wire dtype name under `compression`, else None."""
+    return [wire_dtype(compression, value.dtype.name) for value in values]
+
+
+def _wire_bytes(values: list, wires: list) -> int:
+    """The bytes `values` take on the wire, each in its wire dtype (None: its own)."""
+    import tensorflow as tf
+
+    return sum((value.shape.num_elements() or 0) * (tf.as_dtype(wire) if wire else value.dtype).size
+               for value, wire in zip(values, wires))
+
+
 def _times(value, factor):
     return value * factor
 
@@ -263,12 +276,12 @@ class RowWeighting:
                 # Keras' own train_step: its loss was scaled by the row count, so the gradients
                 # are rows × the local mean's. Sum them with the row counts in one all-reduce,
                 # then divide by the global row count.
-                weighted = list(grads)
+                grads = list(grads)
                 if all(self._sent_dtype(grad) == rows.dtype for grad in grads):
-                    *summed, global_rows = self._all_reduce(context, tf.distribute.ReduceOp.SUM, weighted,
+                    *summed, global_rows = self._all_reduce(context, tf.distribute.ReduceOp.SUM, grads,
                                                             exact=[rows])
                 else:   # TF packs one dtype per collective: 16-bit (compressed) or float64 gradients
-                    summed = self._all_reduce(context, tf.distribute.ReduceOp.SUM, weighted)
+                    summed = self._all_reduce(context, tf.distribute.ReduceOp.SUM, grads)
                     WIRE.trace("row count", 4)
                     global_rows = context.all_reduce(tf.distribute.ReduceOp.SUM, rows)
                 reduced = [_divided(total, global_rows) for total in summed]
@@ -338,7 +351,7 @@ class RowWeighting:
         """The dtype `grad` travels in: its wire type when compressing, else its own."""
         import tensorflow as tf
 
-        wire = wire_dtype(self.compression(), grad.dtype.name)
+        wire, = _wires(self.compression(), [grad])
         return tf.as_dtype(wire) if wire else grad.dtype
 
     def _all_reduce(self, context, operation, grads: list, exact: list = ()) -> list:
@@ -351,11 +364,9 @@ class RowWeighting:
         import tensorflow as tf
 
         exact = list(exact)
-        wires = [wire_dtype(self.compression(), grad.dtype.name) for grad in grads] + [None] * len(exact)
+        wires = _wires(self.compression(), grads) + [None] * len(exact)
         sent = list(grads) + exact
-        WIRE.trace("gradient all-reduce", sum(
-            (value.shape.num_elements() or 0) * (tf.as_dtype(wire) if wire else value.dtype).size
-            for value, wire in zip(sent, wires)))
+        WIRE.trace("gradient all-reduce", _wire_bytes(sent, wires))
         if not any(wires):
             return context.all_reduce(operation, sent)
         sent = [tf.cast(value, wire) if wire else value for value, wire in zip(sent, wires)]
@@ -373,9 +384,8 @@ class RowWeighting:
         import tensorflow as tf
         from tensorflow.python.distribute import values as distribute_values
 
-        wires = [wire_dtype(self.compression(), tensor.dtype.name) for tensor in tensors]
-        nbytes = sum((tensor.shape.num_elements() or 0) * (tf.as_dtype(wire) if wire else tensor.dtype).size
-                     for tensor, wire in zip(tensors, wires))
+        wires = _wires(self.compression(), tensors)
+        nbytes = _wire_bytes(tensors, wires)
         sent = [distribute_values.PerReplica((tf.cast(tensor, wire) if wire else tensor,))
                 for tensor, wire in zip(tensors, wires)]
         summed = distribution.extended.batch_reduce_to(
