@@ -53,6 +53,8 @@ RACY_WITH_ONE_PROCESS = {("tensorflow", "generator")}
 # process weighs rows: known, warned, and checked by the strict xfail below. (TF scales each
 # replica's loss so that they agree; torch does not yet.)
 KNOWN_LOG_DIFFERENCES = {("torch", "custom_train_step"): {"loss"}}
+# Variants run a second time on a gang of 3 workers (a global batch of 16 splits 6/5/5).
+THREE_WORKER_VARIANTS = ["sgd_arrays"]
 BACKENDS = [pytest.param(name, marks=getattr(pytest.mark, name)) for name in ("tensorflow", "jax", "torch")]
 
 
@@ -108,26 +110,36 @@ def runs(request, tmp_path_factory) -> Runs:
     return Runs(backend, gang_dir, reference_dir, single_dir, gang.output)
 
 
+@pytest.fixture(scope="module")
+def three_workers(runs, tmp_path_factory) -> Runs:
+    """A second gang, of 3 workers, running only `THREE_WORKER_VARIANTS` (uneven splits)."""
+    gang_dir = str(tmp_path_factory.mktemp(f"{runs.backend}_gang3"))
+    command = python_worker("user_scripts.py", gang_dir, "--only", ",".join(THREE_WORKER_VARIANTS))
+    gang = run_gang(command, 3, GANG_TIMEOUT, env=worker_env(runs.backend))
+    assert gang.returncode == 0, gang.output[-8000:]
+    return Runs(runs.backend, gang_dir, runs.reference_dir, runs.single_dir, gang.output)
+
+
 def _no_error(result: dict, who: str) -> None:
     assert "error" not in result, f"{who} raised {result['error']}\n{result.get('traceback', '')[-3000:]}"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_variant_matches_one_process_of_plain_keras(runs, variant):
+def _assert_matches_plain_keras(runs: Runs, variant: str, workers: int) -> None:
     """No error; workers bit-identical; weights and logs equal plain Keras' within tolerance."""
     _no_error(runs.reference(variant), f"plain Keras ({runs.backend}) {variant}")
-    for worker in range(2):
+    for worker in range(workers):
         _no_error(runs.result(variant, worker), f"worker {worker} ({runs.backend}) {variant}")
     first = runs.weights(variant, 0)
-    spread = common.max_weight_difference(first, runs.weights(variant, 1))
-    assert spread == 0.0, f"{runs.backend} {variant}: workers differ by {spread:.3g}"
-    histories = [runs.result(variant, worker).get("history") for worker in range(2)]
-    assert histories[0] == histories[1], f"{runs.backend} {variant}: logs are not global: {histories}"
+    for worker in range(1, workers):
+        spread = common.max_weight_difference(first, runs.weights(variant, worker))
+        assert spread == 0.0, f"{runs.backend} {variant}: workers 0 and {worker} differ by {spread:.3g}"
+    histories = [runs.result(variant, worker).get("history") for worker in range(workers)]
+    assert all(history == histories[0] for history in histories), \
+        f"{runs.backend} {variant}: logs are not global: {histories}"
     if variant in NOT_COMPARED_WITH_ONE_PROCESS or (runs.backend, variant) in RACY_WITH_ONE_PROCESS:
         return
     delta = common.max_weight_difference(first, runs.reference_weights(variant))
-    print(f"{runs.backend} {variant}: max|Δw| vs one process of plain Keras = {delta:.3g}")
+    print(f"{runs.backend} {variant}, {workers} workers: max|Δw| vs one process of plain Keras = {delta:.3g}")
     tolerance = MIXED_PRECISION_TOLERANCE.get(variant, WEIGHT_TOLERANCE)
     assert delta <= tolerance, f"{runs.backend} {variant}: max|Δw| = {delta:.3g} vs plain Keras"
     expected = runs.reference(variant).get("history") or {}
@@ -139,6 +151,20 @@ def test_variant_matches_one_process_of_plain_keras(runs, variant):
         history_tolerance = MIXED_PRECISION_TOLERANCE.get(variant, HISTORY_TOLERANCE)
         np.testing.assert_allclose(got, values, rtol=history_tolerance, atol=history_tolerance,
                                    err_msg=f"{runs.backend} {variant}: history[{key!r}]")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_matches_one_process_of_plain_keras(runs, variant):
+    """2 workers: no error; workers bit-identical; weights and logs equal plain Keras'."""
+    _assert_matches_plain_keras(runs, variant, workers=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", THREE_WORKER_VARIANTS)
+def test_three_workers_match_one_process_of_plain_keras(three_workers, variant):
+    """3 workers, where a global batch of 16 splits 6/5/5: the same checks as with 2."""
+    _assert_matches_plain_keras(three_workers, variant, workers=3)
 
 
 @pytest.mark.slow
