@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from keras_mwms import active, devices
+from keras_mwms import active, devices, diagnostics
 from keras_mwms.backends import backend_class, policy, resume
 from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver
 from keras_mwms.communication import CommunicationOptions
@@ -166,7 +166,10 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
     def __enter__(self) -> MultiWorkerMirroredStrategy:
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, kind, error, traceback) -> bool:
+        # A failed collective leaving the block is diagnosed before close() stops the watchdog
+        # (TensorFlow's mismatched collectives raise on every worker: a desync, not a crash).
+        diagnostics.on_escaping_error(error, traceback)
         self.close()
         return False
 

@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from keras_mwms import diagnostics
-from keras_mwms.backends import policy
+from keras_mwms.backends import model_scope, policy
 from keras_mwms.backends.patches import PatchTable
 from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver
 from keras_mwms.communication import CommunicationOptions
@@ -95,6 +95,7 @@ class Backend(abc.ABC):
         if self._patches is None:
             self._patches = self.patch_table()
         self._patches.install()
+        model_scope.PATCHES.install()
         self.start_diagnostics()
 
     def start_diagnostics(self) -> None:
@@ -108,6 +109,7 @@ class Backend(abc.ABC):
         """Restores every Keras original this backend patched."""
         if self._patches is not None:
             self._patches.uninstall()
+        model_scope.PATCHES.uninstall()
         diagnostics.stop()
         diagnostics_patches.PATCHES.uninstall()
 
@@ -137,6 +139,15 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def scope(self) -> contextlib.AbstractContextManager:
         """Context in which models and optimizers get mirrored variables."""
+
+    @property
+    def in_scope(self) -> bool:
+        """Whether this thread is inside `scope()` now (models created there train on all workers)."""
+        return False
+
+    def uses(self, model: Any) -> bool:
+        """Whether `model` was created in this backend's scope (`keras_mwms.backends.model_scope`)."""
+        return model_scope.backend_of(model) is self
 
     @abc.abstractmethod
     def run(self, fn: Callable, args: tuple = (), kwargs: dict | None = None) -> Any:

@@ -32,7 +32,8 @@ from keras_mwms.diagnostics.channel import LAUNCHER_ADDRESS_ENV
 from keras_mwms.diagnostics.ledger import LEDGER, Ledger
 from keras_mwms.diagnostics.watchdog import HANG_EXIT_CODE, Watchdog
 
-__all__ = ["HANG_EXIT_CODE", "LEDGER", "Ledger", "Watchdog", "active_watchdog", "confirm_lost", "start", "stop"]
+__all__ = ["HANG_EXIT_CODE", "LEDGER", "Ledger", "Watchdog", "active_watchdog", "confirm_lost",
+           "on_escaping_error", "start", "stop"]
 
 _active: Watchdog | None = None
 
@@ -97,3 +98,17 @@ def confirm_lost(where: str) -> None:
     """
     if _active is not None:
         _active.confirm_lost(where)
+
+
+def on_escaping_error(error: BaseException | None, traceback: Any = None) -> None:
+    """An error leaving `with strategy:` (which closes the watchdog): the uncaught-error round now.
+
+    A failed collective gets its report round (a desync verdict ends the job there) while the
+    watchdog can still answer its peers; any other error, or none, returns at once.
+
+    Example:
+
+    >>> on_escaping_error(RuntimeError("Collective ops is aborted by: ..."))   # no watchdog: returns
+    """
+    if _active is not None and error is not None:
+        _active.on_escaping_error(error, traceback)

@@ -345,12 +345,17 @@ class Watchdog:
         time.sleep(COLLECT_SECONDS + VERDICT_WAIT_SECONDS + 4 * TICK_SECONDS + 1)
 
     def _excepthook(self, kind, error, traceback) -> None:
-        """An uncaught error from a failed collective: the traceback, then one confirming round.
+        """An uncaught error: the traceback, then `on_escaping_error`."""
+        self._previous_excepthook(kind, error, traceback)
+        self.on_escaping_error(error, traceback)
+
+    def on_escaping_error(self, error: BaseException, traceback) -> None:
+        """An error leaving the script (uncaught, or leaving `with strategy:`): if it reads like a
+        failed collective, one confirming round first, which ends the job on a desync.
 
         TensorFlow reports mismatched collectives as an error on each worker ("Collective
         instance 147 expected type 0 and data_type 1 but got ..."): the round names the desync.
         """
-        self._previous_excepthook(kind, error, traceback)
         if looks_like_collective_failure(error):
             # The stack is unwound now: the Keras method the error came through says the call.
             calls = [entry.name for entry in traceback_module.extract_tb(traceback)

@@ -21,6 +21,7 @@ reports of that fit (`--tensorboard DIR` adds `keras_mwms.callbacks.TensorBoard`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -41,6 +42,9 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--tensorboard", default=None, help="log directory of our TensorBoard")
+    parser.add_argument("--shuffle", action="store_true", help="fit with shuffle=True")
+    parser.add_argument("--with-block", action="store_true",
+                        help="train inside `with strategy:` (closed as an error leaves it)")
     parser.add_argument("--marker", default="")
     return parser.parse_args()
 
@@ -56,14 +60,24 @@ def main() -> None:
     os.makedirs(arguments.out, exist_ok=True)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import common
+
+    import keras_mwms
+
+    index = common.worker_index()
+    faulty = index == arguments.worker
+    strategy = keras_mwms.MultiWorkerMirroredStrategy()
+    with strategy if arguments.with_block else contextlib.nullcontext():
+        train(arguments, strategy, index, faulty)
+
+
+def train(arguments: argparse.Namespace, strategy, index: int, faulty: bool) -> None:
+    """The scenario's model, fits and fault (see the module docstring)."""
+    import common
     import keras
 
     import keras_mwms
     from keras_mwms.diagnostics import straggler
 
-    index = common.worker_index()
-    faulty = index == arguments.worker
-    strategy = keras_mwms.MultiWorkerMirroredStrategy()
     x, y = common.regression_data(GLOBAL_BATCH * arguments.batches)
 
     class Batches(keras.utils.PyDataset):
@@ -122,7 +136,7 @@ def main() -> None:
     callbacks = [StopAt(), Reports("delayed" if arguments.delay else "plain")]
     if arguments.tensorboard:
         callbacks.append(keras_mwms.callbacks.TensorBoard(arguments.tensorboard))
-    model.fit(data, epochs=arguments.epochs, verbose=0, shuffle=False, callbacks=callbacks)
+    model.fit(data, epochs=arguments.epochs, verbose=0, shuffle=arguments.shuffle, callbacks=callbacks)
     common.save_result(arguments.out, index, completed=True, epoch_reports=reports)
 
 

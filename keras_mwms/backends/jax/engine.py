@@ -278,6 +278,10 @@ class JaxBackend(Backend):
             self._scope_exits += 1
             agree_on_variables(self, created, f"keras_mwms/scope-variables/{self._scope_exits}")
 
+    @property
+    def in_scope(self) -> bool:
+        return self._scope_depth > 0
+
     def note_new_variable(self, variable) -> None:
         """Called for every new Keras variable; those created in `scope()` are agreed at its exit."""
         if self._scope_depth and self.num_workers > 1:

@@ -54,7 +54,7 @@ import warnings
 import numpy as np
 
 from keras_mwms import active, resumable_inputs
-from keras_mwms.backends import policy
+from keras_mwms.backends import model_scope, policy
 from keras_mwms.backends.jax import data, flat
 from keras_mwms.backends.patches import Patch, PatchTable
 from keras_mwms.data import first_batch_digest
@@ -160,6 +160,7 @@ def _with_named_arguments(body):
 def _fit_global_batches(model, backend, values, call):
     from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
 
+    model_scope.require_created_in_scope(backend, model, "fit")
     x, y, sample_weight = values["x"], values["y"], values["sample_weight"]
     backend.check_tf_config_unchanged(stacklevel=3)
     digest = None if data.shard_policy_is_off(x) else first_batch_digest(x)

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from keras_mwms import active
+from keras_mwms import active, diagnostics
 from keras_mwms.backends import policy
 from keras_mwms.backends.base import Backend
 from keras_mwms.backends.patches import PatchTable
@@ -49,6 +49,8 @@ from keras_mwms.diagnostics import LEDGER
 # TF's coordination-service heartbeats already end every worker ≈10 s after a peer dies or is
 # stopped (SIGSTOP stops its heartbeat thread too). A user's `timeout_seconds` is passed on.
 DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = None
+# How TF says two workers issued different collectives under one instance key.
+_MISMATCH = "Collective instance"
 _TASK_PATTERN = re.compile(r"/job:(\w+)/(?:replica:\d+/)?task:(\d+)")
 
 
@@ -232,6 +234,13 @@ class TensorFlowBackend(Backend):
     def replicas_per_worker(self) -> int:
         return len(self.strategy.extended.worker_devices)
 
+    @property
+    def in_scope(self) -> bool:
+        import tensorflow as tf
+
+        return (self.strategy is not None and tf.distribute.has_strategy()
+                and tf.distribute.get_strategy() is self.strategy)
+
     def uses(self, model: Any) -> bool:
         """Whether `model` was built in this backend's scope (it then trains on all workers)."""
         return self.strategy is not None and getattr(model, "_distribute_strategy", None) is self.strategy
@@ -239,13 +248,21 @@ class TensorFlowBackend(Backend):
     def raise_if_worker_lost(self, where: str, error: BaseException) -> None:
         """Turns TF's lost-peer errors (heartbeats, aborted collectives) into `WorkerLostError`.
 
+        Mismatched collectives ("Collective instance 177 expected type 0 and data_type 1 but
+        got type 0 and data_type 9", an `InternalError` on every worker) are a desync: the
+        report round names it and ends the job (`keras_mwms.diagnostics.confirm_lost`).
         Other errors, and any error on one worker, return unchanged for the caller to re-raise.
         """
         import tensorflow as tf
 
+        if self.num_workers == 1:
+            return
+        if isinstance(error, tf.errors.InternalError) and _MISMATCH in str(error):
+            diagnostics.confirm_lost(where)
+            return
         lost_peer_errors = (tf.errors.UnavailableError, tf.errors.AbortedError,
                             tf.errors.DeadlineExceededError)
-        if self.num_workers == 1 or not isinstance(error, lost_peer_errors):
+        if not isinstance(error, lost_peer_errors):
             return
         self.worker_lost(where, _lost_peer_detail(error),
                          lost_ranks(str(error), self.resolver, self.worker_index))

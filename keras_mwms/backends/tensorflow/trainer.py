@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from keras_mwms import resumable_inputs
-from keras_mwms.backends import policy
+from keras_mwms.backends import model_scope, policy
 from keras_mwms.backends.patches import ObjectState
 from keras_mwms.backends.tensorflow import data
 from keras_mwms.data import first_batch_digest
@@ -58,13 +58,15 @@ def trainer_method(method_name: str, backend: Any) -> Callable[[Callable], Calla
         @functools.wraps(original)
         def method(model, *args, **kwargs):
             bound = signature.bind(model, *args, **kwargs)
-            _prepare_call(backend, model, method_name, bound)
             ours = backend is not None and backend.uses(model)
             if method_name == "predict" and ours and backend.num_workers > 1:
+                _prepare_call(backend, model, method_name, bound)
                 return _predict_on_this_worker(model, original, bound)
-            in_keras_loop = (backend.row_weighting.keras_loop(model) if ours and method_name != "predict"
-                             else contextlib.nullcontext())
             try:
+                # The entry's collectives (agreed seeds, row checks) fail like the steps'.
+                _prepare_call(backend, model, method_name, bound)
+                in_keras_loop = (backend.row_weighting.keras_loop(model) if ours and method_name != "predict"
+                                 else contextlib.nullcontext())
                 with in_keras_loop:
                     return original(*bound.args, **bound.kwargs)
             except Exception as error:
@@ -85,6 +87,8 @@ def _prepare_call(backend: Any, model: Any, method: str, bound: inspect.BoundArg
         return
     backend.check_tf_config_unchanged(stacklevel=3)
     arguments = bound.arguments
+    if method == "fit":
+        model_scope.require_created_in_scope(backend, model, "fit")
     if not backend.uses(model):
         if backend.num_workers > 1:
             warnings.warn(

@@ -5,7 +5,7 @@ DTensor DataParallel on Keras master is unreleased), so the rows below patch `To
 `BatchNormalization`, the torch `Variable` and the optimizers. `TABLE` is installed when the
 strategy joins and uninstalled by `strategy.close()`. Models created outside
 `strategy.scope()` are untouched: every wrapper asks `keras_mwms.backends.torch.state` for the
-model's backend (optimizers: for the model they train) and otherwise calls Keras' original.
+model's backend (the neutral tag of `keras_mwms.backends.model_scope`) (optimizers: for the model they train) and otherwise calls Keras' original.
 
 What a model created in the scope gets:
 
@@ -23,7 +23,7 @@ What a model created in the scope gets:
 Example:
 
 >>> [row.name for row in TABLE][:3]
-['torch-tag-models-in-scope', 'torch-fit-sharded-inputs', 'torch-evaluate-sharded-inputs']
+['torch-fit-sharded-inputs', 'torch-evaluate-sharded-inputs', 'torch-predict-on-chief-output']
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import inspect
 from collections.abc import Callable
 
 from keras_mwms import active
+from keras_mwms.backends import model_scope
 from keras_mwms.backends.patches import KerasHas, Patch, PatchTable
 from keras_mwms.backends.torch import data, fused_adam, gradients, metrics, training
 from keras_mwms.backends.torch.state import STATE, backend_of, model_of
@@ -50,26 +51,18 @@ def _quiet_unless_chief(backend, arguments: dict) -> dict:
 
 
 # -- TorchTrainer -------------------------------------------------------------------------
-def _tag_models_in_scope(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        backend = active.active_backend()
-        if backend is not None and backend.in_scope:
-            STATE.of(self).backend = backend
-
-    return __init__
-
-
-def _sharded(shard_inputs: Callable, check_tf_config: bool = False) -> Callable:
-    """`fit`/`evaluate` of a tagged model on this worker's shard of the global batches."""
+def _sharded(shard_inputs: Callable, fit: bool = False) -> Callable:
+    """`fit`/`evaluate` of a tagged model on this worker's shard of the global batches; `fit` of
+    an untagged one is refused while the strategy is active (`model_scope`)."""
     def replacement(original: Callable) -> Callable:
         @functools.wraps(original)
         def run_on_shard(self, *args, **kwargs):
             backend = backend_of(self)
+            if fit and backend is None and active.active_backend() is not None:
+                model_scope.require_created_in_scope(active.active_backend(), self, "fit")
             if backend is None or kwargs.get("_use_cached_eval_dataset"):   # fit's validation
                 return original(self, *args, **kwargs)
-            if check_tf_config:
+            if fit:
                 backend.check_tf_config_unchanged(stacklevel=2)
             return original(self, **_quiet_unless_chief(
                 backend, shard_inputs(backend, original, args, kwargs, model=self)))
@@ -231,9 +224,7 @@ _GRADIENTS = (f"{_NO_HOOKS}: the global-batch gradient (all-reduced, divided by 
               "before Keras clips, unscales and applies it")
 
 TABLE = PatchTable("torch", [
-    Patch("torch-tag-models-in-scope", f"{_TRAINER}.__init__", _tag_models_in_scope,
-          f"{_NO_HOOKS}: models created in strategy.scope() are tagged, the others left alone"),
-    Patch("torch-fit-sharded-inputs", f"{_TRAINER}.fit", _sharded(data.shard_fit_inputs, check_tf_config=True),
+    Patch("torch-fit-sharded-inputs", f"{_TRAINER}.fit", _sharded(data.shard_fit_inputs, fit=True),
           f"{_NO_HOOKS}: fit's global batches become this worker's shard; progress on the chief",
           parameters=("x", "y", "batch_size", "verbose", "sample_weight", "class_weight",
                       "validation_split", "validation_data", "validation_batch_size", "shuffle")),

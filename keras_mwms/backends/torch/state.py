@@ -1,10 +1,10 @@
 """keras_mwms' state of Keras models and optimizers on torch, kept beside them (`ObjectState`).
 
-Per model (`STATE.of(model)`):
+Per model (`STATE.of(model)`; its backend is `backend_of(model)`, the tag of
+`keras_mwms.backends.model_scope`: untagged models are left to Keras):
 
 | name | what |
 |---|---|
-| `backend` | the `TorchBackend` of the `strategy.scope()` the model was created in (untagged models are left to Keras) |
 | `synced` | the chief's variables were broadcast to it |
 | `batch_norm_statistics` | its unsynchronized BatchNormalization moving statistics (collected once per `fit`) |
 | `overlap` | its `OverlappedGradients` (gradient buckets reduced during backward) |
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from keras_mwms.backends import model_scope
 from keras_mwms.backends.patches import ObjectState
 
 STATE = ObjectState()
@@ -35,7 +36,7 @@ STATE = ObjectState()
 
 def backend_of(model: Any) -> Any:
     """The backend of a model created in `strategy.scope()`; None for any other model."""
-    return STATE.get(model, "backend")
+    return model_scope.backend_of(model)
 
 
 def model_of(optimizer: Any) -> Any:
