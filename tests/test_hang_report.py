@@ -3,11 +3,15 @@
 The gang cases run `tests/workers/hang_scenario.py` through the real launcher
 (`python -m keras_mwms.launch`, `tests.multiworker.run_launcher`) with a 3 s hang threshold
 (`KERAS_MWMS_HANG_REPORT_SECONDS=3`): worker 1 (a) sleeps 30 s making batch 3 of its input,
-(b) runs one extra `train_on_batch` (a desync), (c) is SIGSTOPped at batch 3. Each gang must
-end non-zero within threshold + 15 s of the fault, the chief's verdict must name worker 1 and
-the kind (and the batch for (a)), and the launcher must print the same verdict, line for line.
-The nine gangs run three at a time (they mostly wait); their times go to a table printed at
-the end (`pytest -s`). Nothing here imports keras or a backend in the pytest process.
+(b) runs one extra `train_on_batch` (a desync; inside `with strategy:` and before a shuffled
+fit, where TensorFlow raised "Collective instance … expected type 0 and data_type 1 but got
+type 0 and data_type 9" and no verdict before issue 31), (c) is SIGSTOPped at batch 3; and
+(d) the chief alone calls `model.evaluate` (`if strategy.is_chief:`) while worker 1's script
+ends. Each gang must end non-zero within threshold + 15 s of the fault, the chief's verdict
+must name the worker and the kind (and the batch for (a)), and the launcher must print the same
+verdict, line for line; in (d) worker 1 must have finished its script. The twelve gangs run
+three at a time (they mostly wait); their times go to a table printed at the end
+(`pytest -s`). Nothing here imports keras or a backend in the pytest process.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from keras_mwms.launch import find_free_ports
 from tests.multiworker import REPO, WORKERS_DIR, run_launcher, worker_env
 
 BACKENDS = ("tensorflow", "jax", "torch")
-FAULTS = ("data", "desync", "sigstop")
+FAULTS = ("data", "desync", "sigstop", "chief-evaluate")
+EXTRA_ARGUMENTS = {"desync": ["--shuffle", "--with-block"]}
 THRESHOLD = 3
 BOUND = THRESHOLD + 15
 AT_BATCH = 3
@@ -130,6 +135,14 @@ def test_verdict_rules():
     # A live peer outside any collective (asleep in a callback) is behind, not out of step.
     asleep = verdicts.decide({0: failed[0], 1: _report(1, 6, 3, waiting=False)}, 2, settled=True)
     assert (asleep.kind, asleep.workers) == ("behind", [1])
+    # Worker 1 left the job after collective #5; worker 0 waits in #6 of evaluate: called alone.
+    alone = verdicts.decide({0: _report(0, 6, 2, call="evaluate")}, 2,
+                            left={1: {"sequence": 5, "call": "fit"}})
+    assert (alone.kind, alone.workers) == ("called alone", [0])
+    assert "model.evaluate was called on worker 0 only; every worker must call it" in alone.text
+    # It left after the collective worker 0 still finishes (#6): that is not the mistake.
+    finishing = verdicts.decide({0: _report(0, 6, 2)}, 2, left={1: {"sequence": 6, "call": "fit"}})
+    assert finishing.kind == "no answer"
 
 
 def test_datagrams_carry_reports_and_cut_stacks_to_fit():
@@ -259,7 +272,8 @@ def _run(backend: str, fault: str, out: str) -> Run:
     env = worker_env(backend, KERAS_MWMS_HANG_REPORT_SECONDS=str(THRESHOLD))
     result = run_launcher(["--workers", "2", "--grace-period", "3"],
                           [str(WORKERS_DIR / "hang_scenario.py"), out, "--fault", fault, "--at-batch",
-                           str(AT_BATCH), "--sleep", str(10 * THRESHOLD), "--marker", marker],
+                           str(AT_BATCH), "--sleep", str(10 * THRESHOLD), "--marker", marker,
+                           *EXTRA_ARGUMENTS.get(fault, [])],
                           timeout=GANG_TIMEOUT, env=env)
     ended = time.time()
     orphans = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout.strip()
@@ -268,7 +282,7 @@ def _run(backend: str, fault: str, out: str) -> Run:
 
 @pytest.fixture(scope="module")
 def hang_runs(tmp_path_factory):
-    """All nine gangs, three at a time, keyed (backend, fault)."""
+    """All twelve gangs, three at a time, keyed (backend, fault)."""
     jobs = [(backend, fault) for fault in FAULTS for backend in BACKENDS]
     outs = {job: str(tmp_path_factory.mktemp(f"hang_{job[0]}_{job[1]}")) for job in jobs}
     with ThreadPoolExecutor(max_workers=3) as pool:
@@ -284,6 +298,8 @@ HEADLINES = {
     "data": f"data wait: worker 1 is behind, waiting for data: its input pipeline has been making batch {AT_BATCH} of this epoch",
     "desync": "desync: the workers wait in different collectives; worker 1 is out of step: worker 1 is in model.train_on_batch",
     "sigstop": "no answer: worker 1 did not answer the hang report",
+    "chief-evaluate": "called on some workers only: model.evaluate was called on worker 0 only; every "
+                      "worker must call it. worker 1 had left the job (its script ended after collective",
 }
 
 
@@ -305,5 +321,9 @@ def test_the_gang_ends_with_one_verdict_naming_the_stuck_worker(hang_runs, backe
     assert chief == launcher, run.describe()
     if fault == "data":
         assert "time.sleep" in "\n".join(chief), run.describe()   # worker 1's stack, at the sleep
+    if fault == "chief-evaluate":   # the healthy worker finished its script, and was not called lost
+        with open(os.path.join(run.out, "w1.json")) as handle:
+            assert json.load(handle)["completed"], run.describe()
+        assert "lost worker" not in run.output, run.describe()
     assert seconds <= BOUND, run.describe()
     assert not run.orphans, run.describe()

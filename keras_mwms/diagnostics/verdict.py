@@ -3,6 +3,9 @@
 Pure logic over the reports the side channel collected (`keras_mwms.diagnostics.report`);
 the chief (or the launcher, when no worker could) prints the result. The rules, in order:
 
+0. **called on some workers only** — the workers that did not report had *left* the job (their
+   script ended or closed its strategy; `left`) before the collective the others wait in:
+   e.g. `if strategy.is_chief: model.evaluate(...)`, which every worker must call.
 1. **no answer** — a worker did not report within the collection window: it is stopped
    (SIGSTOP, a debugger), dead, or unreachable; the others wait for it.
 2. **data wait** — a worker's input pipeline has been making one batch for a long time
@@ -152,18 +155,58 @@ def _desync(reports: dict[int, dict], signatures: dict[int, tuple]) -> tuple[lis
     return odd, f"worker {odd[0]} entered a different collective at the same sequence number"
 
 
-def decide(reports: dict[int, dict], num_workers: int, settled: bool = False) -> Verdict | None:
+def _called_alone(reports: dict[int, dict], left: dict[int, dict], everyone: list[str]) -> Verdict:
+    """Rule 0: the workers that answered entered a collective after the others had left."""
+    calls = collections.Counter(report.get("call") or "" for report in reports.values())
+    call = _in_call(calls.most_common(1)[0][0])
+    stayed = ", ".join(str(worker) for worker in sorted(reports))
+    gone = sorted(left)
+    first = reports[min(reports)]["ledger"]
+    current = first.get("in_collective") or {}
+    entered = (f"collective #{current['sequence']} '{current['kind']}'" if current
+               else f"collective #{first['sequence']}")
+    text = [f"{HEADLINE} called on some workers only: {call} was called on worker{'s' * (len(reports) > 1)} "
+            f"{stayed} only; every worker must call it. "
+            + "; ".join(f"worker {worker} had left the job (its script ended after collective "
+                        f"#{left[worker].get('sequence')}, in {_in_call(left[worker].get('call') or '')})"
+                        for worker in gone)
+            + f" when worker {min(reports)} entered {entered}. Call it on every worker (not under "
+            "`if strategy.is_chief:`); only model.predict, saving and loading may run on one worker "
+            "alone.", *everyone]
+    return Verdict("called alone", list(reports), "\n".join(text))
+
+
+def left_before(reports: dict[int, dict], left: dict[int, dict]) -> bool:
+    """Whether every answering worker entered a collective (by sequence) after every worker in
+    `left` had left, and only those are missing: none of them can join it any more.
+
+    Example:
+
+    >>> left_before({0: {"ledger": {"sequence": 12}}}, {1: {"sequence": 10}})
+    True
+    """
+    last_left = max((int(message.get("sequence") or 0) for message in left.values()), default=None)
+    return (last_left is not None and bool(reports)
+            and all(report["ledger"]["sequence"] > last_left for report in reports.values()))
+
+
+def decide(reports: dict[int, dict], num_workers: int, settled: bool = False,
+           left: dict[int, dict] | None = None) -> Verdict | None:
     """The verdict for the collected `reports` (worker index → report), or None: no hang.
 
     See the module docstring for the rules; `num_workers` tells who should have answered.
     `settled`: the round follows a failed collective: no data-wait verdict; workers whose
     report says `failed` are compared by the collective they were in last (a desync).
+    `left`: the workers that announced leaving the job (worker → its last sequence and call).
     """
     threshold = max((float(report.get("threshold") or 0) for report in reports.values()), default=0.0)
     everyone = [f"  worker {worker} (in {_in_call(reports[worker].get('call') or '')}): "
                 f"{_where(reports[worker])}; last collective "
                 f"{_last_collective(reports[worker])}" for worker in sorted(reports)]
     missing = [worker for worker in range(num_workers) if worker not in reports]
+    gone = {worker: message for worker, message in (left or {}).items() if worker in missing}
+    if missing and len(gone) == len(missing) and left_before(reports, gone):
+        return _called_alone(reports, gone, everyone)
     if missing:
         names = ", ".join(f"worker {worker}" for worker in missing)
         text = [f"{HEADLINE} no answer: {names} did not answer the hang report "

@@ -121,6 +121,9 @@ class Watchdog:
         self._previous_wakeup_fd: int | None = None
         self._previous_sigusr1 = signal.SIG_DFL
         self._failed = False   # this worker's own collective failed (`confirm_lost`)
+        self._escaping = False   # an error is leaving the script (`on_escaping_error`)
+        self._announced_leaving = False
+        self._left: dict[int, dict] = {}   # peers that left the job: worker -> their last sequence, call
         self._previous_excepthook = sys.excepthook
         self._epochs: dict[int, dict[int, dict]] = {}   # epoch number -> worker -> times (chief)
 
@@ -130,15 +133,15 @@ class Watchdog:
         self._arm_sigusr1()
         self._previous_excepthook = sys.excepthook
         sys.excepthook = self._excepthook
-        atexit.register(self.send_progress)   # the launcher's time table gets the final totals
+        atexit.register(self._at_exit)
         self._thread = threading.Thread(target=self._run, name="keras_mwms-hang-watchdog", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
         """Stops the thread and releases the socket and SIGUSR1; safe to call twice."""
         self._stop.set()
-        atexit.unregister(self.send_progress)
-        self.send_progress()
+        atexit.unregister(self._at_exit)
+        self._at_exit()
         if sys.excepthook == self._excepthook:
             sys.excepthook = self._previous_excepthook
         if self._thread is not None and self._thread is not threading.current_thread():
@@ -208,14 +211,38 @@ class Watchdog:
                 and now >= self._rearm_at and now - current.started > self.threshold):
             self._begin(f"worker {self.index} waited {now - current.started:.1f} s in collective "
                         f"#{current.sequence} '{current.kind}'", now)
-        if self._collect_until is not None and (len(self._reports) >= self.num_workers
-                                                or now >= self._collect_until):
+        if (current is not None and self._left and self._collect_until is None
+                and self._verdict_until is None and now >= self._rearm_at
+                and current.sequence > max(int(left.get("sequence") or 0) for left in self._left.values())):
+            # A collective no one who left can join: no need to wait for the hang threshold.
+            self._begin(f"worker {self.index} entered collective #{current.sequence} '{current.kind}' "
+                        f"after worker(s) {sorted(self._left)} left the job", now)
+        answered = len(self._reports) + len(set(self._left) - set(self._reports))
+        if self._collect_until is not None and (answered >= self.num_workers or now >= self._collect_until):
             self._conclude(now)
         if self._verdict_until is not None and now >= self._verdict_until:
             self._decide_and_end(note=" (decided by this worker: no verdict arrived)")
         if self.launcher is not None and now >= self._progress_at:
             self._progress_at = now + PROGRESS_SECONDS
             self.send_progress()
+
+    def _at_exit(self) -> None:
+        """The script ended (or closed its strategy): final totals to the launcher, and the peers
+        learn that this worker left (a collective they enter later is one it never joins)."""
+        self.send_progress()
+        self.announce_leaving()
+
+    def announce_leaving(self) -> None:
+        """Tells every peer this worker left the job after its last collective; once, and only
+        when it ends well (not after a failed collective or an error leaving the script)."""
+        if self._announced_leaving or self._failed or self._escaping or getattr(sys, "last_value", None):
+            return
+        self._announced_leaving = True
+        message = {"type": "left", "worker": self.index, "sequence": self.ledger.sequence,
+                   "step": self.ledger.step, "call": self.ledger.call}
+        for rank, peer in enumerate(self.peers):
+            if rank != self.index:
+                self.channel.send(message, peer)
 
     def send_progress(self) -> None:
         """Tells the launcher (if any) this worker's train steps, collectives and time totals."""
@@ -267,7 +294,10 @@ class Watchdog:
                 self._confirm = self._confirm or bool(message.get("confirm"))
                 self._manual = self._manual or bool(message.get("manual"))
             self._begin(message.get("reason", ""), time.monotonic(), asked=False)
+        elif kind == "left" and isinstance(message.get("worker"), int):
+            self._left[message["worker"]] = message
         elif kind == "report" and isinstance(message.get("worker"), int):
+            self._left.pop(message["worker"], None)   # it answers: it is still in the job
             if self._collect_until is None and self._verdict_until is None:
                 self._begin("a peer reported", time.monotonic(), asked=False)
             self._reports[message["worker"]] = message
@@ -289,8 +319,8 @@ class Watchdog:
 
     def _decide_and_end(self, note: str = "") -> None:
         self._verdict_until = None
-        verdict = verdicts.decide(self._reports, self.num_workers, settled=self._confirm)
-        if verdict is not None and (not self._confirm or verdict.kind == "desync"):
+        verdict = verdicts.decide(self._reports, self.num_workers, settled=self._confirm, left=self._left)
+        if verdict is not None and (not self._confirm or verdict.kind in ("desync", "called alone")):
             text = verdict.text.replace("\n", f"{note}\n", 1) if note else verdict.text
             self._everyone({"type": "verdict", "final": True, "text": text, "kind": verdict.kind,
                             "workers": verdict.workers, "reporter": self.index})
@@ -320,14 +350,17 @@ class Watchdog:
             time.sleep(LINGER_SECONDS)
         else:
             first_line = text.splitlines()[0] if text else "(no text)"
-            self._print(f"keras_mwms worker {self.index}: ending after worker {reporter}'s hang verdict: "
-                        f"{first_line}")
+            finished = " (this worker had finished its script: exit status 0)" if self._announced_leaving else ""
+            self._print(f"keras_mwms worker {self.index}: ending after worker {reporter}'s hang verdict"
+                        f"{finished}: {first_line}")
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except (OSError, ValueError):
                 pass
-        os._exit(HANG_EXIT_CODE)
+        # A worker that had finished its script (it announced leaving; it may wait in the
+        # engine's exit barrier for the stuck peers) ends as it would have: successfully.
+        os._exit(0 if self._announced_leaving else HANG_EXIT_CODE)
 
     def _print(self, text: str) -> None:
         stream = self.output or sys.stderr
@@ -356,6 +389,7 @@ class Watchdog:
         TensorFlow reports mismatched collectives as an error on each worker ("Collective
         instance 147 expected type 0 and data_type 1 but got ..."): the round names the desync.
         """
+        self._escaping = True
         if looks_like_collective_failure(error):
             # The stack is unwound now: the Keras method the error came through says the call.
             calls = [entry.name for entry in traceback_module.extract_tb(traceback)

@@ -1,6 +1,6 @@
 """Hang and straggler scenarios for the hang report and the straggler table (every backend).
 
-    python hang_scenario.py OUT_DIR --fault data|desync|sigstop|none [options] --marker UNIQUE
+    python hang_scenario.py OUT_DIR --fault data|desync|sigstop|chief-evaluate|none [options] --marker UNIQUE
 
 Every worker trains a small MLP on a `keras.utils.PyDataset` of global batches: a warm-up
 `fit` of one epoch (compiles, traces, first collectives), then the faulty part on worker
@@ -9,6 +9,8 @@ Every worker trains a small MLP on a `keras.utils.PyDataset` of global batches: 
 * `data`: its PyDataset sleeps `--sleep` seconds making batch `--at-batch` of the second fit;
 * `desync`: it runs one extra `model.train_on_batch` between the two fits;
 * `sigstop`: it stops itself (SIGSTOP) at batch `--at-batch` of the second fit;
+* `chief-evaluate`: the tf.distribute habit `if strategy.is_chief: model.evaluate(...)` after the
+  warm-up fit (the chief is the faulty worker); the other workers' scripts end there;
 * `none`: a fit of `--epochs` epochs as it is, then one where `--delay D` makes worker
   `--worker`'s PyDataset sleep D seconds per batch (a straggler).
 
@@ -34,7 +36,7 @@ GLOBAL_BATCH = 32
 def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--fault", choices=("data", "desync", "sigstop", "none"), required=True)
+    parser.add_argument("--fault", choices=("data", "desync", "sigstop", "chief-evaluate", "none"), required=True)
     parser.add_argument("--worker", type=int, default=1)
     parser.add_argument("--at-batch", type=int, default=3)
     parser.add_argument("--sleep", type=float, default=30.0)
@@ -113,6 +115,12 @@ def train(arguments: argparse.Namespace, strategy, index: int, faulty: bool) -> 
     data = Batches()
     model.fit(data, epochs=1, verbose=0, shuffle=False)
     common.log("warm-up fit done")
+    if arguments.fault == "chief-evaluate":
+        if strategy.is_chief:
+            record_fault(arguments.out, index, "chief-evaluate")
+            model.evaluate(data, verbose=0)
+        common.save_result(arguments.out, index, completed=True, epoch_reports=[])
+        return
     if arguments.fault == "desync" and faulty:
         record_fault(arguments.out, index, "desync")
         model.train_on_batch(x[:GLOBAL_BATCH], y[:GLOBAL_BATCH])
