@@ -16,6 +16,12 @@ would wait forever). No verdict (every worker waits in the same collective: a sl
 training go on; the next report can come one threshold later. A report asked for by SIGUSR1
 is printed even then, and nobody exits.
 
+A worker whose script ends (or that closes its strategy) without an error announces *leaving*
+(its last collective's sequence number). A peer that then waits in a collective with a higher
+number waits for someone who can never join: a round starts at once, and the verdict says the
+call ran on some workers only (`if strategy.is_chief: model.evaluate(...)`). A worker that had
+left and still waits in its engine's exit barrier ends with status 0 on the verdict.
+
 When a backend is about to report a lost peer (`keras_mwms.backends.policy.raise_worker_lost`),
 `confirm_lost` runs one round first: if every peer answers and they wait in different
 collectives, the diagnosis is a desync, not a lost worker (TensorFlow's collectives time out

@@ -4,6 +4,8 @@ Keras' TensorFlow trainer runs these loops under a multi-worker strategy as it w
 machine's; what differs across workers is the job of these wrappers (installed as rows of the
 backend's patch table, see `keras_mwms.backends.tensorflow.patches`):
 
+* `fit` of a model created outside `strategy.scope()` stops every worker with the fix
+  (`keras_mwms.backends.model_scope`; its `evaluate`/`predict` run on the worker alone);
 * the chief alone shows a progress bar: logs are global, N copies would interleave;
 * Keras' shuffles draw the chief's order on every worker (`align_shuffle_seed`);
 * every worker must pass arrays of one length, and tf.data inputs should start with the same
