@@ -2,8 +2,8 @@
 
 When a `fit` is to be resumable (a callback with `RESUMABLE_ORDER` set among its callbacks:
 `keras_mwms.callbacks.BackupAndRestore`, `keras_mwms.example_ledger.ExampleLedger`; or Keras'
-own `BackupAndRestore`, which runs as keras_mwms') and its input
-shuffles, each backend's `fit` patch calls `prepare_fit` first. The input then becomes an
+own `BackupAndRestore`, which runs as keras_mwms') and its input shuffles, each backend's
+`fit` patch calls `prepare_fit` first. The input then becomes an
 ordered stream: a `keras.utils.PyDataset` without an end whose item `i` is the global batch
 at *stream position* `start + i` of a `keras_mwms.data_order.DataOrder` — epoch `p //
 steps_per_epoch`, step `p % steps_per_epoch`, in the order `(job seed, epoch)` gives — and

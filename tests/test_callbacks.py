@@ -207,7 +207,7 @@ def test_keras_own_callbacks_are_made_worker_aware_and_share_the_users_state(mon
     Multi-worker behaviour: tests/test_user_scripts.py (keras_callbacks, backup_and_restore)."""
     import keras
 
-    from keras_mwms import active
+    from keras_mwms import active, resumable_inputs
     from keras_mwms import callbacks as ours
     from keras_mwms.callbacks.worker_aware import worker_aware
 
@@ -229,6 +229,8 @@ def test_keras_own_callbacks_are_made_worker_aware_and_share_the_users_state(mon
     aware[1].on_epoch_end(0)
     assert checkpoint.best == 0.25 and counting.counted == 1
     assert type(aware[4]) is ours.BackupAndRestore
+    # fit sees the user's object before the swap: its shuffled input already takes the resumable order.
+    assert resumable_inputs.wants_resumable_order([backup])
     assert (aware[4].backup_dir, aware[4].save_freq, aware[4].delete_checkpoint) == ("backup", 3, False)
     assert aware[5] is stopper and aware[6] is own
 
