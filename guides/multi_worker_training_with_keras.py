@@ -2,7 +2,7 @@
 Title: Multi-worker training with Keras
 Author: The keras_mwms authors
 Date created: 2026/12/02
-Last modified: 2026/12/02
+Last modified: 2026/12/06
 Description: Train one Keras model on several workers with keras_mwms.MultiWorkerMirroredStrategy, on any backend.
 """
 
