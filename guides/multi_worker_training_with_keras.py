@@ -2,7 +2,7 @@
 Title: Multi-worker training with Keras
 Author: The keras_mwms authors
 Date created: 2026/12/02
-Last modified: 2026/12/02
+Last modified: 2026/12/06
 Description: Train one Keras model on several workers with keras_mwms.MultiWorkerMirroredStrategy, on any backend.
 """
 
@@ -50,7 +50,9 @@ exactly three changes, marked `# (1)`, `# (2)`, `# (3)`:
 1. create a `keras_mwms.MultiWorkerMirroredStrategy` — it reads `TF_CONFIG`, meets the other
    workers and starts the backend's collective engine;
 2. build and compile the model inside `strategy.scope()`, so its variables are mirrored;
-3. use `keras_mwms.callbacks.ModelCheckpoint`, so only the chief writes the checkpoint.
+3. use `keras_mwms.callbacks.ModelCheckpoint`, so only the chief writes the checkpoint
+   (`keras.callbacks.ModelCheckpoint` would do the same: while the strategy is active,
+   keras_mwms runs Keras' own file-writing callbacks as its chief-aware ones).
 
 The dataset is scikit-learn's bundled handwritten digits (offline, 1,797 8×8 images).
 `batch_size=64` is the **global** batch: with two workers each computes on 32 examples per

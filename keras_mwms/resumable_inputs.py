@@ -1,8 +1,9 @@
 """Shuffled `fit` inputs in a resumable order: arrays, `PyDataset`s and torch `DataLoader`s.
 
 When a `fit` is to be resumable (a callback with `RESUMABLE_ORDER` set among its callbacks:
-`keras_mwms.callbacks.BackupAndRestore`, `keras_mwms.example_ledger.ExampleLedger`) and its input
-shuffles, each backend's `fit` patch calls `prepare_fit` first. The input then becomes an
+`keras_mwms.callbacks.BackupAndRestore`, `keras_mwms.example_ledger.ExampleLedger`; or Keras'
+own `BackupAndRestore`, which runs as keras_mwms') and its input shuffles, each backend's
+`fit` patch calls `prepare_fit` first. The input then becomes an
 ordered stream: a `keras.utils.PyDataset` without an end whose item `i` is the global batch
 at *stream position* `start + i` of a `keras_mwms.data_order.DataOrder` — epoch `p //
 steps_per_epoch`, step `p % steps_per_epoch`, in the order `(job seed, epoch)` gives — and
@@ -174,7 +175,17 @@ def wants_resumable_order(callbacks: Any) -> bool:
     if callbacks is None:
         return False
     callbacks = getattr(callbacks, "callbacks", callbacks)
-    return any(getattr(callback, RESUMABLE_ORDER, False) for callback in callbacks)
+    return any(getattr(callback, RESUMABLE_ORDER, False) or _is_keras_backup_and_restore(callback)
+               for callback in callbacks)
+
+
+def _is_keras_backup_and_restore(callback: Any) -> bool:
+    """Keras' own BackupAndRestore, which runs as keras_mwms' own while a strategy is active
+    (`keras_mwms.callbacks.worker_aware`; `fit` sees the user's object, before that swap)."""
+    import sys
+
+    keras = sys.modules.get("keras")
+    return keras is not None and type(callback) is keras.callbacks.BackupAndRestore
 
 
 def _to_numpy(leaf):

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from keras_mwms import active, devices, diagnostics
-from keras_mwms.backends import backend_class, policy, resume
+from keras_mwms.backends import backend_class, callback_list, policy, resume
 from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver
 from keras_mwms.communication import CommunicationOptions
 from keras_mwms.compat_v1 import CompatV1Methods
@@ -146,6 +146,10 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
                        identity=identity, exclusive_gpus=exclusive).run()
         self._backend.join()
         self._backend.install_patches()
+        # Imported here: keras_mwms.callbacks imports Keras, which the backend has now loaded.
+        from keras_mwms.callbacks import worker_aware
+
+        callback_list.install(worker_aware.worker_aware)
         self._closed = False
         active.activate(self, self._backend)
 
@@ -160,6 +164,7 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
             return
         self._closed = True
         active.deactivate(self)
+        callback_list.uninstall()
         resume.PATCHES.uninstall()
         self._backend.close()
 

@@ -2,7 +2,8 @@
 
 For each backend one module-scoped set of runs of `tests/workers/resume_scenario.py`:
 an uninterrupted reference (with ModelCheckpoint and TensorBoard), a worker SIGKILLed
-mid-epoch with `save_freq="epoch"`, one SIGKILLed mid-epoch with `save_freq=4`, and the chief
+mid-epoch with `save_freq="epoch"` (under Keras' own `keras.callbacks.BackupAndRestore`, which
+keras_mwms runs as its own), one SIGKILLed mid-epoch with `save_freq=4`, and the chief
 killed half-way through writing a backup. Each faulty run is restarted by
 `python -m keras_mwms.launch --max-restarts 1` and must end with the reference's weights.
 """
@@ -26,7 +27,8 @@ SCENARIO = str(WORKERS_DIR / "resume_scenario.py")
 RUN_TIMEOUT = 420
 FAULTS = {
     "reference": ["--checkpoints"],
-    "kill_epoch": ["--kill-at-step", "9", "--kill-worker", "1"],
+    # Keras' own BackupAndRestore, as a user script has it (before: 'unable to lock file').
+    "kill_epoch": ["--keras-callbacks", "--kill-at-step", "9", "--kill-worker", "1"],
     "kill_steps": ["--save-freq", "4", "--kill-at-step", "11", "--kill-worker", "1"],
     "kill_during_save": ["--kill-during-save", "2", "--double-checkpoint"],
     "sigterm": ["--sigterm-at-step", "7", "--sigterm-worker", "1", "--preemption-check-steps", "4"],
@@ -191,3 +193,53 @@ def test_tensorboard_leaves_no_scratch_directory_on_any_worker(backend, tmp_path
     left = [path.name for temp_dir in temp_dirs for path in temp_dir.iterdir()
             if path.name.startswith("keras_mwms-tensorboard-")]
     assert not left, f"left behind: {left}"
+
+
+class _TwoWorkerStandIn:
+    """An active strategy of 2 workers, as `keras_mwms.callbacks.coordination` sees one."""
+
+    num_workers, worker_index, is_chief = 2, 1, False
+
+
+def test_keras_own_callbacks_are_made_worker_aware_and_share_the_users_state(monkeypatch):
+    """Which Keras callbacks run as keras_mwms' (`keras_mwms.callbacks.worker_aware`); the
+    user's object keeps its class and sees what the twin did; subclasses keep their methods.
+    Multi-worker behaviour: tests/test_user_scripts.py (keras_callbacks, backup_and_restore)."""
+    import keras
+
+    from keras_mwms import active, resumable_inputs
+    from keras_mwms import callbacks as ours
+    from keras_mwms.callbacks.worker_aware import worker_aware
+
+    class CountingCheckpoint(keras.callbacks.ModelCheckpoint):
+        def on_epoch_end(self, epoch, logs=None):
+            self.counted = getattr(self, "counted", 0) + 1
+
+    checkpoint = keras.callbacks.ModelCheckpoint("best.keras", save_best_only=True)
+    counting = CountingCheckpoint("e{epoch}.weights.h5", save_weights_only=True)
+    backup = keras.callbacks.BackupAndRestore("backup", save_freq=3, delete_checkpoint=False)
+    stopper, own = keras.callbacks.EarlyStopping(), ours.TensorBoard("logs")
+    aware = worker_aware([checkpoint, [counting, keras.callbacks.CSVLogger("log.csv")],
+                          keras.callbacks.TensorBoard("logs"), backup, stopper, own])
+    assert [type(callback) for callback in aware[:3]] == [ours.ModelCheckpoint, type(aware[1]), ours.CSVLogger]
+    assert isinstance(aware[1], CountingCheckpoint) and isinstance(aware[1], ours.ModelCheckpoint)
+    assert type(aware[1]).__name__ == "CountingCheckpoint" and type(aware[3]) is ours.TensorBoard
+    assert type(checkpoint) is keras.callbacks.ModelCheckpoint, "the user's object changed class"
+    aware[0].best = 0.25
+    aware[1].on_epoch_end(0)
+    assert checkpoint.best == 0.25 and counting.counted == 1
+    assert type(aware[4]) is ours.BackupAndRestore
+    # fit sees the user's object before the swap: its shuffled input already takes the resumable order.
+    assert resumable_inputs.wants_resumable_order([backup])
+    assert (aware[4].backup_dir, aware[4].save_freq, aware[4].delete_checkpoint) == ("backup", 3, False)
+    assert aware[5] is stopper and aware[6] is own
+
+    class MyBackup(keras.callbacks.BackupAndRestore):
+        pass
+
+    mine = MyBackup("backup")
+    assert worker_aware([mine]) == [mine], "one worker: a subclass stays Keras' own"
+    monkeypatch.setattr(active, "_strategy", _TwoWorkerStandIn())
+    with pytest.raises(ValueError, match="MyBackup subclasses keras.callbacks.BackupAndRestore.*"
+                                         "keras_mwms.callbacks.BackupAndRestore"):
+        worker_aware([mine])

@@ -16,7 +16,9 @@ all-reduce stays below 1e-6 even under Adam (4e-8 measured after 20 steps);
 
 from __future__ import annotations
 
+import csv
 import os
+import re
 import subprocess
 import sys
 
@@ -210,6 +212,60 @@ def test_only_the_chief_prints_epoch_lines(runs):
     printed = [runs.result("verbose2", worker)["printed"] for worker in range(2)]
     assert "Epoch 1/2" in printed[0] and "loss" in printed[0], printed[0]
     assert printed[1] == "", f"worker 1 printed: {printed[1]!r}"
+
+
+def _files_under(folder: str) -> list[str]:
+    """The files under `folder`, relative; a TensorBoard event file's time, host and pid dropped."""
+    found = []
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.relpath(os.path.join(root, name), folder)
+            found.append(re.sub(r"events\.out\.tfevents\..*", "events.out.tfevents.*", path))
+    return sorted(found)
+
+
+@pytest.mark.slow
+def test_keras_own_callbacks_write_the_files_of_one_process_once(runs):
+    """Keras' own ModelCheckpoint (best-only .keras, per-epoch .weights.h5 by a user's subclass),
+    CSVLogger and TensorBoard, every worker given the same paths: the files plain Keras writes
+    in one process, written once (before: HDF5 'unable to lock file' at epoch 1, a CSV with its
+    header and rows once per worker, event files per worker); the user's objects keep their
+    class and learn what the chief-aware ones did (`best`)."""
+    variant = "keras_callbacks"
+    _no_error(runs.reference(variant), "plain Keras")
+    gang_folder = os.path.join(runs.gang_dir, variant, "files")
+    reference_folder = os.path.join(runs.reference_dir, variant, "files")
+    assert _files_under(gang_folder) == _files_under(reference_folder)
+    with open(os.path.join(gang_folder, "log.csv")) as got, \
+            open(os.path.join(reference_folder, "log.csv")) as expected:
+        got_rows, expected_rows = list(csv.reader(got)), list(csv.reader(expected))
+    assert got_rows[0] == expected_rows[0] and len(got_rows) == len(expected_rows) == 4, got_rows
+    np.testing.assert_allclose(np.asarray(got_rows[1:], dtype=float), np.asarray(expected_rows[1:], dtype=float),
+                               rtol=HISTORY_TOLERANCE, atol=HISTORY_TOLERANCE)
+    reference = runs.reference(variant)
+    checkpoints = runs.result(variant, 0)["checkpoints"]
+    assert sorted(checkpoints) == sorted(reference["checkpoints"])
+    for name, weights in reference["checkpoints"].items():
+        delta = common.max_weight_difference([np.asarray(w) for w in checkpoints[name]],
+                                             [np.asarray(w) for w in weights])
+        assert delta <= WEIGHT_TOLERANCE, f"{runs.backend} {name}: max|Δw| = {delta:.3g} vs plain Keras"
+    for worker in range(2):
+        result = runs.result(variant, worker)
+        _no_error(result, f"worker {worker}")
+        assert result["classes"] == reference["classes"], result["classes"]
+        assert result["epochs_seen"] == reference["epochs_seen"] == [0, 1, 2]
+        assert result["log_dir"] == reference["log_dir"] == "logs"
+        assert abs(result["best"] - reference["best"]) <= HISTORY_TOLERANCE, (result["best"], reference["best"])
+
+
+@pytest.mark.slow
+def test_keras_own_backup_and_restore_is_deleted_once(runs):
+    """Keras' own BackupAndRestore on every worker (before: 'unable to lock file' at epoch 1):
+    trained like plain Keras (`test_variant_matches_one_process_of_plain_keras`), and the
+    backup directory is gone after `fit`, as in one process."""
+    _no_error(runs.result("backup_and_restore", 0), "chief")
+    for folder in (runs.gang_dir, runs.reference_dir):
+        assert not os.path.exists(os.path.join(folder, "backup_and_restore", "backup")), folder
 
 
 @pytest.mark.slow

@@ -1,5 +1,9 @@
 """Drop-in multi-worker replacements for Keras callbacks (same constructor arguments).
 
+While a strategy is active, Keras' own `ModelCheckpoint`, `BackupAndRestore`, `CSVLogger` and
+`TensorBoard` run as these (`keras_mwms.callbacks.worker_aware`), so an unchanged script
+works too.
+
 Example:
 
 ```python
@@ -13,7 +17,8 @@ from keras_mwms.callbacks.backup_and_restore import (
     BackupAndRestoreError,
     TrainingPreempted,
 )
+from keras_mwms.callbacks.csv_logger import CSVLogger
 from keras_mwms.callbacks.model_checkpoint import ModelCheckpoint
 from keras_mwms.callbacks.tensorboard import TensorBoard
 
-__all__ = ["BackupAndRestore", "BackupAndRestoreError", "ModelCheckpoint", "TensorBoard", "TrainingPreempted"]
+__all__ = ["BackupAndRestore", "BackupAndRestoreError", "CSVLogger", "ModelCheckpoint", "TensorBoard", "TrainingPreempted"]

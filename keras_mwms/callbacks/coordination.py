@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from keras_mwms.strategy import get_strategy
+from keras_mwms import active
 
 
 def is_chief() -> bool:
@@ -20,19 +20,19 @@ def is_chief() -> bool:
     >>> is_chief()
     True
     """
-    strategy = get_strategy()
+    strategy = active.active_strategy()
     return strategy is None or strategy.is_chief
 
 
 def num_workers() -> int:
     """Workers in the job (1 without a strategy)."""
-    strategy = get_strategy()
+    strategy = active.active_strategy()
     return 1 if strategy is None else strategy.num_workers
 
 
 def worker_index() -> int:
     """This worker's rank (0 without a strategy)."""
-    strategy = get_strategy()
+    strategy = active.active_strategy()
     return 0 if strategy is None else strategy.worker_index
 
 
@@ -44,7 +44,7 @@ def any_worker(flag: bool) -> bool:
     >>> any_worker(False)
     False
     """
-    strategy = get_strategy()
+    strategy = active.active_strategy()
     if strategy is None or strategy.num_workers == 1:
         return bool(flag)
     import keras
@@ -60,7 +60,7 @@ def any_worker(flag: bool) -> bool:
 
 def barrier(name: str) -> None:
     """Waits for every worker (bounded by the collective timeout); no-op on one worker."""
-    strategy = get_strategy()
+    strategy = active.active_strategy()
     if strategy is not None and strategy.num_workers > 1:
         strategy.backend.barrier(name)
 
@@ -73,7 +73,7 @@ def broadcast_from_chief(value: Any) -> Any:
     >>> broadcast_from_chief({"epoch": 3})
     {'epoch': 3}
     """
-    strategy = get_strategy()
+    strategy = active.active_strategy()
     if strategy is None or strategy.num_workers == 1:
         return value
     return strategy.backend.broadcast_object(value, 0)

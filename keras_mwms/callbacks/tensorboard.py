@@ -37,15 +37,16 @@ class TensorBoard(keras.callbacks.TensorBoard):
         log_dir: where the chief writes the event files. Other arguments are Keras'.
     """
 
-    def __init__(self, log_dir="logs", *args, **kwargs):
-        super().__init__(log_dir, *args, **kwargs)
-        self._requested_log_dir = self.log_dir
-        self._scratch_dir: str | None = None
-        self._remove_scratch_dir_at_exit = None
+    # Class-level defaults, not set in __init__: a Keras TensorBoard made worker-aware
+    # (`keras_mwms.callbacks.worker_aware`) runs these methods without this __init__.
+    _scratch_dir: str | None = None
+    _requested_log_dir: str | None = None
+    _remove_scratch_dir_at_exit = None
 
     def set_model(self, model):
         # Decided here rather than in __init__: a callback may be built before the strategy.
         if self._scratch_dir is None and not coordination.is_chief():
+            self._requested_log_dir = self.log_dir
             self._scratch_dir = tempfile.mkdtemp(prefix="keras_mwms-tensorboard-")
             # `fit` skips on_train_end when it raises, and evaluate/predict never call it.
             # Registered now, after the strategy's own exit hooks, this one runs before them

@@ -1,5 +1,8 @@
 """Fault-tolerance scenario: train with keras_mwms callbacks, optionally die, resume on restart.
 
+`--keras-callbacks` uses Keras' own `BackupAndRestore` instead, unchanged: keras_mwms runs it as
+its own while the strategy is active.
+
 Run through the launcher (`--max-restarts`) so a killed gang is restarted and resumes from
 the backup. Faults happen only on the first attempt (`KERAS_MWMS_ATTEMPT == 0`):
 
@@ -36,6 +39,8 @@ parser.add_argument("--sigterm-at-step", type=int, default=-1)
 parser.add_argument("--sigterm-worker", type=int, default=1)
 parser.add_argument("--preemption-check-steps", type=int, default=10)
 parser.add_argument("--checkpoints", action="store_true", help="add ModelCheckpoint + TensorBoard")
+parser.add_argument("--keras-callbacks", action="store_true",
+                    help="Keras' own BackupAndRestore (run as keras_mwms' while the strategy is active)")
 arguments = parser.parse_args()
 
 import keras  # noqa: E402
@@ -102,10 +107,14 @@ with strategy.scope():
     model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
 
 save_freq = arguments.save_freq if arguments.save_freq == "epoch" else int(arguments.save_freq)
-callbacks = [keras_mwms.callbacks.BackupAndRestore(arguments.backup, save_freq=save_freq,
+if arguments.keras_callbacks:
+    backup = keras.callbacks.BackupAndRestore(arguments.backup, save_freq=save_freq,
+                                              double_checkpoint=arguments.double_checkpoint)
+else:
+    backup = keras_mwms.callbacks.BackupAndRestore(arguments.backup, save_freq=save_freq,
                                                    double_checkpoint=arguments.double_checkpoint,
-                                                   preemption_check_steps=arguments.preemption_check_steps),
-             Faults(), EpochLog()]
+                                                   preemption_check_steps=arguments.preemption_check_steps)
+callbacks = [backup, Faults(), EpochLog()]
 if arguments.checkpoints:
     callbacks += [
         keras_mwms.callbacks.ModelCheckpoint(

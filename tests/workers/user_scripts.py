@@ -285,15 +285,56 @@ def variant_tfdata_worker_seeds():
 
 
 def variant_backup_and_restore():
-    """keras_mwms' BackupAndRestore in the gang, Keras' own in the plain reference."""
+    """Keras' own BackupAndRestore, every worker given the same directory."""
     x, y = regression()
     folder = os.path.join(arguments.out, "backup_and_restore", "backup")
-    callbacks = keras.callbacks if strategy is None else keras_mwms.callbacks
     with scope():
         model = mlp()
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
-    history = fit_arrays(model, x, y, epochs=3, callbacks=[callbacks.BackupAndRestore(folder)])
+    history = fit_arrays(model, x, y, epochs=3, callbacks=[keras.callbacks.BackupAndRestore(folder)])
     return model, {"history": history}
+
+
+class EpochCountingCheckpoint(keras.callbacks.ModelCheckpoint):
+    """A user's subclass of Keras' ModelCheckpoint, with a hook of its own."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.epochs_seen = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)
+        self.epochs_seen.append(epoch)
+
+
+def variant_keras_callbacks():
+    """Keras' own ModelCheckpoint (best-only `.keras`; per-epoch `.weights.h5` by a user's
+    subclass), CSVLogger and TensorBoard, every worker given the same paths. The chief dumps
+    what the checkpoints hold; the test compares the files with plain Keras'."""
+    x, y = regression()
+    folder = os.path.join(arguments.out, "keras_callbacks", "files")
+    with scope():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    best = keras.callbacks.ModelCheckpoint(os.path.join(folder, "best.keras"), save_best_only=True)
+    every = EpochCountingCheckpoint(os.path.join(folder, "epoch-{epoch:02d}.weights.h5"),
+                                    save_weights_only=True)
+    csv_logger = keras.callbacks.CSVLogger(os.path.join(folder, "log.csv"))
+    board = keras.callbacks.TensorBoard(os.path.join(folder, "logs"))
+    user_objects = [best, every, csv_logger, board]
+    history = fit_arrays(model, x, y, epochs=3, validation_split=0.25, callbacks=user_objects)
+    results = {"history": history, "best": float(best.best), "epochs_seen": every.epochs_seen,
+               "classes": [f"{type(c).__module__}.{type(c).__qualname__}" for c in user_objects],
+               "log_dir": os.path.relpath(board.log_dir, folder)}
+    if IS_CHIEF:
+        checkpoints = {"best.keras": keras.models.load_model(os.path.join(folder, "best.keras"))}
+        for epoch in range(1, 4):
+            checkpoints[f"epoch-{epoch:02d}.weights.h5"] = mlp()
+            checkpoints[f"epoch-{epoch:02d}.weights.h5"].load_weights(
+                os.path.join(folder, f"epoch-{epoch:02d}.weights.h5"))
+        results["checkpoints"] = {name: [weight.tolist() for weight in saved.get_weights()]
+                                  for name, saved in checkpoints.items()}
+    return model, results
 
 
 def variant_weights_after_build():

@@ -1,0 +1,70 @@
+"""One hook where Keras collects a call's callbacks, on every backend: `CallbackList.__init__`.
+
+Every `fit`, `evaluate` and `predict` of the three Keras trainers (and a custom loop that
+builds a `keras.callbacks.CallbackList` itself) hands the user's callbacks to
+`CallbackList.__init__`, which flattens them and gives each the model before any hook runs.
+While installed, the row `worker-aware-keras-callbacks` passes them first through the
+conversion the facade installed it with (`keras_mwms.callbacks.worker_aware.worker_aware`:
+Keras' own file-writing callbacks become keras_mwms' chief-aware ones), so the policy lives in
+one place instead of in each backend's `fit` wrapper. The strategy installs the row when it is
+created and `close()` removes it.
+
+Example (a stand-in conversion; the facade installs the real one):
+
+>>> import keras
+>>> install(lambda callbacks: [keras.callbacks.History()])
+>>> [type(c).__name__ for c in keras.callbacks.CallbackList([keras.callbacks.EarlyStopping()]).callbacks]
+['History']
+>>> uninstall()
+>>> [type(c).__name__ for c in keras.callbacks.CallbackList([keras.callbacks.EarlyStopping()]).callbacks]
+['EarlyStopping']
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+
+from keras_mwms.backends.patches import Patch, PatchTable
+
+_conversion: Callable[[list], list] | None = None
+
+
+def install(conversion: Callable[[list], list]) -> None:
+    """Makes every `CallbackList` built from now on pass its callbacks through `conversion`."""
+    global _conversion
+    _conversion = conversion
+    PATCHES.install()
+
+
+def uninstall() -> None:
+    """Restores Keras' `CallbackList.__init__`."""
+    global _conversion
+    PATCHES.uninstall()
+    _conversion = None
+
+
+def _converting_init(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        callbacks = bound.arguments.get("callbacks")
+        if callbacks and _conversion is not None:
+            bound.arguments["callbacks"] = _conversion(callbacks)
+        original(*bound.args, **bound.kwargs)
+
+    return __init__
+
+
+PATCHES = PatchTable("callbacks", [Patch(
+    name="worker-aware-keras-callbacks",
+    target="keras.src.callbacks.callback_list:CallbackList.__init__",
+    replacement=_converting_init,
+    works_around="Keras' own ModelCheckpoint, BackupAndRestore, CSVLogger and TensorBoard write the "
+                 "user's path on every worker: HDF5 'unable to lock file' crashes, every CSV row and "
+                 "event file once per worker",
+    parameters=("callbacks",),
+)])
