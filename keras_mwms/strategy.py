@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from keras_mwms import active, devices
+from keras_mwms import active, devices, threads
 from keras_mwms.backends import backend_class, policy, resume
 from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver
 from keras_mwms.communication import CommunicationOptions
@@ -144,6 +144,9 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
                        timeout=self._options.rendezvous_timeout_seconds, names=names,
                        port_advice=getattr(self._resolver, "port_advice", None),
                        identity=identity, exclusive_gpus=exclusive).run()
+        split = threads.plan(self._resolver.worker_addresses, self._resolver.worker_index)
+        if split.threads and self._backend.use_compute_threads(split.threads) and self._resolver.is_chief:
+            print(split.announcement(), file=sys.stderr, flush=True)
         self._backend.join()
         self._backend.install_patches()
         self._closed = False
