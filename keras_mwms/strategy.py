@@ -120,7 +120,10 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
         self._backend_name = devices.backend_name()
         backend_type = backend_class(self._backend_name)
         self._backend = backend_type(self._resolver, self._options, self._tf_config_at_creation)
-        if self._resolver.num_workers == 1:
+        # One worker by choice (`keras_mwms.launch --workers 1`, e.g. one TensorFlow worker with
+        # every GPU of its host) is not the mistake the warning is about.
+        launched_alone = bool(self._tf_config_at_creation) and os.environ.get(devices.LOCAL_WORKERS_ENV) == "1"
+        if self._resolver.num_workers == 1 and not launched_alone:
             warnings.warn(
                 "keras_mwms.MultiWorkerMirroredStrategy is running a single worker "
                 + ("(TF_CONFIG lists one worker). " if self._tf_config_at_creation else
