@@ -51,7 +51,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from keras_mwms import devices, gpu_assignment, threads
+from keras_mwms import advice, devices, gpu_assignment, threads
 from keras_mwms.cluster import format_address, make_tf_config
 
 DEFAULT_GRACE_PERIOD_SECONDS = 10.0
@@ -161,6 +161,7 @@ class Gang:
         ports = (list(range(port_base, port_base + workers)) if port_base
                  else find_free_ports(workers, host))
         self.addresses = [format_address(host, port) for port in ports]
+        self.port_base = port_base
         self.grace_period = grace_period
         self.attempt = attempt
         self.extra_env = dict(extra_env or {})
@@ -175,7 +176,9 @@ class Gang:
         env["TF_CONFIG"] = make_tf_config(self.addresses, index)
         # The gang is described by TF_CONFIG, also inside a Slurm step or a torchrun/MPI job.
         env["KERAS_MWMS_CLUSTER_SOURCE"] = "tf_config"
-        env["KERAS_MWMS_ATTEMPT"] = str(self.attempt)
+        env[advice.LAUNCH_ATTEMPT_ENV] = str(self.attempt)
+        if self.port_base:   # a port clash then says "another --port-base" (keras_mwms.advice)
+            env[advice.LAUNCH_PORT_BASE_ENV] = str(self.port_base)
         env[devices.LOCAL_WORKERS_ENV] = str(self.workers)
         env[gpu_assignment.LOCAL_RANK_ENV] = str(index)
         env["PYTHONUNBUFFERED"] = "1"
@@ -574,6 +577,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m keras_mwms.la
         parser.error(f"--port-base {arguments.port_base} leaves no room for "
                      f"{arguments.workers} ports below 65536")
     command = command_from_arguments(arguments, parser)
+    missing = devices.missing_backend_error()
+    if missing is not None:   # every worker would fail importing it: say the install line once
+        parser.error(str(missing))
     try:
         worker_env = gpu_worker_env(arguments.workers, arguments.gpus_per_worker)
     except gpu_assignment.GpuAssignmentError as error:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from keras_mwms import active, devices, threads
+from keras_mwms.advice import advice_for
 from keras_mwms.backends import backend_class, policy, resume
 from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver
 from keras_mwms.communication import CommunicationOptions
@@ -118,6 +119,9 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
                 "without the strategy."
             )
         self._backend_name = devices.backend_name()
+        missing = devices.missing_backend_error({"KERAS_BACKEND": self._backend_name})
+        if missing is not None:
+            raise missing
         backend_type = backend_class(self._backend_name)
         self._backend = backend_type(self._resolver, self._options, self._tf_config_at_creation)
         # One worker by choice (`keras_mwms.launch --workers 1`, e.g. one TensorFlow worker with
@@ -143,9 +147,10 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
             identity = devices.worker_identity(self._backend_name, self._resolver.num_workers)
             exclusive = policy.exclusive_gpus_reason(self._backend_name, self._options.implementation,
                                                      len(identity["gpus"]))
+            hints = advice_for(self._resolver)
             Rendezvous(self._resolver.worker_addresses, self._resolver.worker_index, fingerprint,
                        timeout=self._options.rendezvous_timeout_seconds, names=names,
-                       port_advice=getattr(self._resolver, "port_advice", None),
+                       port_advice=hints.ports, members_advice=hints.members,
                        identity=identity, exclusive_gpus=exclusive).run()
         split = threads.plan(self._resolver.worker_addresses, self._resolver.worker_index)
         if split.threads and self._backend.use_compute_threads(split.threads) and self._resolver.is_chief:

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from keras_mwms import diagnostics
+from keras_mwms.advice import advice_for
 from keras_mwms.errors import WorkerLostError
 
 # -- nests --------------------------------------------------------------------------------
@@ -438,7 +439,9 @@ def worker_label(resolver: Any, rank: int) -> str:
     return f"worker {rank} ({job}:{index} at {resolver.worker_addresses[rank]})"
 
 
-def lost_worker_message(worker_index: int, lost: list[str], where: str, underlying: str) -> str:
+def lost_worker_message(worker_index: int, lost: list[str], where: str, underlying: str,
+                        restart: str = "Restart the whole job (`python -m keras_mwms.launch --max-restarts N`) "
+                                       "and resume with keras_mwms.callbacks.BackupAndRestore.") -> str:
     """The one message every backend gives when a peer is lost (see `raise_worker_lost`).
 
     Example:
@@ -450,8 +453,7 @@ def lost_worker_message(worker_index: int, lost: list[str], where: str, underlyi
     return (
         f"keras_mwms worker {worker_index}: lost {', '.join(lost) or 'an unidentified peer worker'} "
         f"during {where}: {first_line.rstrip('.')}. Synchronous training cannot continue; every "
-        "worker stops. Restart the whole job (`python -m keras_mwms.launch --max-restarts N`) and "
-        "resume with keras_mwms.callbacks.BackupAndRestore."
+        f"worker stops. {restart}"
     )
 
 
@@ -489,7 +491,8 @@ def raise_worker_lost(backend: Any, where: str, error: BaseException, lost_ranks
     diagnostics.confirm_lost(where)
     labels = [worker_label(backend.resolver, rank) for rank in lost_ranks]
     message = lost_worker_message(backend.worker_index, labels, where,
-                                  str(error) or type(error).__name__)
+                                  str(error) or type(error).__name__,
+                                  restart=advice_for(backend.resolver).restart)
     print(message, file=sys.stderr, flush=True)
     start_exit_watchdog(backend.options.lost_worker_exit_seconds)
     raise WorkerLostError(message, lost_workers=lost_ranks, where=where) from error
