@@ -50,11 +50,17 @@ COMMANDS = {
 def main(argv: Sequence[str] | None = None) -> int:
     """Dispatches `keras-mwms <command> ...`."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"]):
+        from keras_mwms.version import __version__
+
+        print(f"keras-mwms {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: keras-mwms <command> [options]\n\ncommands:")
         for name, summary in COMMANDS.items():
             print(f"  {name:<10} {summary}")
-        print("\nRun 'keras-mwms <command> --help' for a command's options.")
+        print("\nRun 'keras-mwms <command> --help' for a command's options, 'keras-mwms --version' "
+              "for the release.")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "launch":

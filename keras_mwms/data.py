@@ -166,6 +166,27 @@ def leading_rows(x) -> int | None:
     return int(shape[0])
 
 
+def global_batch_rows(x, batch_size: int | None) -> int | None:
+    """Rows of fit's first global batch when known without reading data: arrays (`batch_size`,
+    Keras' default 32, capped by the rows) or a tf.data dataset with a static batch dimension.
+
+    Example:
+
+    >>> import numpy as np
+    >>> global_batch_rows(np.zeros((100, 3)), 1), global_batch_rows(np.zeros((5, 3)), None)
+    (1, 5)
+    """
+    rows = leading_rows(x)
+    if rows is not None:
+        return min(batch_size or 32, rows)
+    spec = getattr(x, "element_spec", None)
+    leaves = spec if isinstance(spec, (tuple, list)) else [spec]
+    shape = getattr(leaves[0], "shape", None) if leaves else None
+    if shape is not None and shape.rank:
+        return shape[0]
+    return None
+
+
 def uneven_rows_error(rows_per_worker, worker_index: int, what: str) -> ValueError | None:
     """A clear error if workers passed different amounts of array data, else None.
 

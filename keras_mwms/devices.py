@@ -44,6 +44,36 @@ def local_gpu_count() -> int:
     return local_gpu_count_of(name)
 
 
+# backend -> (the module Keras imports, the keras_mwms extra that installs it)
+BACKEND_PACKAGES = {"tensorflow": ("tensorflow", "tensorflow-cpu"), "jax": ("jax", "jax"),
+                    "torch": ("torch", "torch")}
+
+
+def missing_backend_error(environ=None, find_spec=None) -> ModuleNotFoundError | None:
+    """The error for a configured backend whose package is not installed, else None.
+
+    Example:
+
+    >>> print(missing_backend_error({"KERAS_BACKEND": "torch"}, find_spec=lambda name: None))
+    KERAS_BACKEND is 'torch', but the torch package is not installed: pip install "keras_mwms[torch]" (or choose an installed backend with KERAS_BACKEND)
+    >>> missing_backend_error({"KERAS_BACKEND": "jax"}, find_spec=lambda name: object()) is None
+    True
+    """
+    import importlib.util
+
+    environ = os.environ if environ is None else environ
+    name = configured_backend_name(environ)
+    if name not in BACKEND_PACKAGES:
+        return None
+    module, extra = BACKEND_PACKAGES[name]
+    if (find_spec or importlib.util.find_spec)(module) is not None:
+        return None
+    where = "KERAS_BACKEND is" if environ.get("KERAS_BACKEND") else "Keras' configured backend (keras.json) is"
+    return ModuleNotFoundError(
+        f"{where} {name!r}, but the {module} package is not installed: pip install "
+        f'"keras_mwms[{extra}]" (or choose an installed backend with KERAS_BACKEND)', name=module)
+
+
 LOCAL_WORKERS_ENV = "KERAS_MWMS_LOCAL_WORKERS"
 
 

@@ -217,17 +217,19 @@ def plan_launch(backend: str, workers: int, gpus: Sequence[str],
 
     Raises:
         GpuAssignmentError: more GPUs asked for than the host has, several GPUs per torch
-            worker, or GPUs asked for where none is visible.
+            worker, or GPUs asked for (a number or `all`) where none is visible.
     """
     available = len(gpus)
     if gpus_per_worker == 0:
         return [""] * workers
     if available == 0:
-        if gpus_per_worker in (AUTO, ALL):
+        if gpus_per_worker == AUTO:
             return None
+        # `all` asks for GPUs as much as a number does: training on the CPU instead would be silent.
         raise GpuAssignmentError(
             f"--gpus-per-worker {gpus_per_worker}, but this host shows no GPU (CUDA_VISIBLE_DEVICES "
-            "is empty, or nvidia-smi lists none). Drop --gpus-per-worker to train on the CPU.")
+            "is empty, or nvidia-smi lists none). Drop --gpus-per-worker (or pass 0) to train on "
+            "the CPU.")
     if gpus_per_worker == ALL:
         if backend == "torch" and available > 1:
             raise GpuAssignmentError(

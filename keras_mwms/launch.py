@@ -28,7 +28,8 @@ so the gang lives and dies together:
 Exit code: 0 only when every worker of the last attempt exits 0.
 
 Each worker gets `TF_CONFIG`, `KERAS_MWMS_ATTEMPT` (0 on the first start),
-`KERAS_MWMS_LOCAL_WORKERS` (N) and, unless already set, `OMP_NUM_THREADS` = cores ÷ N:
+`KERAS_MWMS_LOCAL_WORKERS` (N) and, unless already set, `OMP_NUM_THREADS` = cores ÷ N (the
+split every worker makes on its own, `keras_mwms.threads`, exported so OpenMP starts with it):
 oversubscribing cores made synchronous training several times slower in our probes.
 
 GPUs (`--gpus-per-worker`, see `keras_mwms.gpu_assignment`): each worker gets
@@ -50,7 +51,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from keras_mwms import devices, gpu_assignment
+from keras_mwms import advice, devices, gpu_assignment, threads
 from keras_mwms.cluster import format_address, make_tf_config
 
 DEFAULT_GRACE_PERIOD_SECONDS = 10.0
@@ -160,6 +161,7 @@ class Gang:
         ports = (list(range(port_base, port_base + workers)) if port_base
                  else find_free_ports(workers, host))
         self.addresses = [format_address(host, port) for port in ports]
+        self.port_base = port_base
         self.grace_period = grace_period
         self.attempt = attempt
         self.extra_env = dict(extra_env or {})
@@ -174,11 +176,14 @@ class Gang:
         env["TF_CONFIG"] = make_tf_config(self.addresses, index)
         # The gang is described by TF_CONFIG, also inside a Slurm step or a torchrun/MPI job.
         env["KERAS_MWMS_CLUSTER_SOURCE"] = "tf_config"
-        env["KERAS_MWMS_ATTEMPT"] = str(self.attempt)
+        env[advice.LAUNCH_ATTEMPT_ENV] = str(self.attempt)
+        if self.port_base:   # a port clash then says "another --port-base" (keras_mwms.advice)
+            env[advice.LAUNCH_PORT_BASE_ENV] = str(self.port_base)
         env[devices.LOCAL_WORKERS_ENV] = str(self.workers)
         env[gpu_assignment.LOCAL_RANK_ENV] = str(index)
         env["PYTHONUNBUFFERED"] = "1"
-        env.setdefault("OMP_NUM_THREADS", str(devices.threads_per_worker(self.workers)))
+        if threads.USER_THREADS_ENV not in env:   # the user's choice wins (keras_mwms.threads)
+            env[threads.USER_THREADS_ENV] = env[threads.CHOSEN_ENV] = str(devices.threads_per_worker(self.workers))
         return env
 
     def _pump(self, index: int, stream, output) -> None:
@@ -482,13 +487,15 @@ def build_parser(prog: str = "python -m keras_mwms.launch") -> argparse.Argument
                              "gang with one worker fewer, down to M (default: never shrink)")
     parser.add_argument("--shrink-after", type=int, default=2, metavar="K",
                         help="failures in a row of one worker that shrink the gang (default 2)")
-    parser.add_argument("--max-restarts", type=int, default=0,
-                        help="restart the whole gang up to this many times after a failure")
-    parser.add_argument("--host", default="localhost", help="host name in TF_CONFIG addresses")
-    parser.add_argument("--port-base", type=int, default=None,
-                        help="worker i listens on PORT_BASE + i (default: free ports)")
-    parser.add_argument("--grace-period", type=float, default=DEFAULT_GRACE_PERIOD_SECONDS,
-                        help="seconds between SIGTERM and SIGKILL when stopping workers")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                        help="restart the whole gang up to this many times after a failure (default 0)")
+    parser.add_argument("--host", default="localhost",
+                        help="host name in TF_CONFIG addresses (default localhost)")
+    parser.add_argument("--port-base", type=int, default=None, metavar="PORT",
+                        help="worker i listens on PORT + i (default: free ports)")
+    parser.add_argument("--grace-period", type=float, default=DEFAULT_GRACE_PERIOD_SECONDS, metavar="SECONDS",
+                        help="seconds between SIGTERM and SIGKILL when stopping workers "
+                             f"(default {DEFAULT_GRACE_PERIOD_SECONDS:g})")
     parser.add_argument("--gpus-per-worker", default=gpu_assignment.AUTO, metavar="K",
                         help="GPUs each worker trains on, via its CUDA_VISIBLE_DEVICES: 'auto' "
                              "(default: one per worker when the host has a GPU per worker), a "
@@ -496,7 +503,7 @@ def build_parser(prog: str = "python -m keras_mwms.launch") -> argparse.Argument
                              "takes 1), 'all' (every worker sees every GPU: one TensorFlow worker "
                              "with all GPUs as local replicas), or 0 (the CPU)")
     parser.add_argument("--no-progress-seconds", type=float, default=DEFAULT_NO_PROGRESS_SECONDS,
-                        help="ask every worker for a hang report when none made progress (a train "
+                        metavar="SECONDS", help="ask every worker for a hang report when none made progress (a train "
                              f"step or a collective) this long (default {DEFAULT_NO_PROGRESS_SECONDS:g}; "
                              "0: never); the verdict is printed here too")
     parser.add_argument("-m", dest="module", default=None,
@@ -570,6 +577,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m keras_mwms.la
         parser.error(f"--port-base {arguments.port_base} leaves no room for "
                      f"{arguments.workers} ports below 65536")
     command = command_from_arguments(arguments, parser)
+    missing = devices.missing_backend_error()
+    if missing is not None:   # every worker would fail importing it: say the install line once
+        parser.error(str(missing))
     try:
         worker_env = gpu_worker_env(arguments.workers, arguments.gpus_per_worker)
     except gpu_assignment.GpuAssignmentError as error:

@@ -53,6 +53,7 @@ SOCKET_TIMEOUT_SECONDS = 5.0
 MAX_HELLO_BYTES = 1 << 20
 DEFAULT_PORT_ADVICE = ("give this worker a free port in TF_CONFIG (and check that no two workers "
                        "share a task.index).")
+DEFAULT_MEMBERS_ADVICE = "Start every worker listed in TF_CONFIG"
 
 
 class RendezvousError(RuntimeError):
@@ -119,18 +120,21 @@ def _read_line(sock: socket.socket) -> dict[str, Any]:
     return message
 
 
-def describe_difference(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> str:
-    """Names every fingerprint field that differs, with both values.
+def describe_difference(ours: Mapping[str, Any], theirs: Mapping[str, Any], ours_name: str = "ours",
+                        theirs_name: str = "theirs") -> str:
+    """Names every fingerprint field that differs, with both values (and whose they are).
 
     Example:
 
     >>> describe_difference({"keras": "3.15.1", "backend": "jax"},
     ...                     {"keras": "3.14.0", "backend": "jax"})
     "keras: theirs='3.14.0', ours='3.15.1'"
+    >>> describe_difference({"backend": "torch"}, {"backend": "jax"}, "worker:0", "worker:1")
+    "backend: worker:1='jax', worker:0='torch'"
     """
     keys = sorted(set(ours) | set(theirs))
     parts = [
-        f"{key}: theirs={theirs.get(key)!r}, ours={ours.get(key)!r}"
+        f"{key}: {theirs_name}={theirs.get(key)!r}, {ours_name}={ours.get(key)!r}"
         for key in keys
         if ours.get(key) != theirs.get(key)
     ]
@@ -155,12 +159,14 @@ class Rendezvous:
         identity: this worker's `{"host": ..., "gpus": [GPU identities]}` (default: none).
         exclusive_gpus: why no two workers may share a GPU (the error's explanation and fix),
             or None to allow sharing.
+        members_advice: who must start, for the error when a worker never comes (default:
+            the workers listed in TF_CONFIG; `keras_mwms.advice` words it per orchestrator).
     """
 
     def __init__(self, addresses: Sequence[str], rank: int, fingerprint: Mapping[str, Any],
                  timeout: float = DEFAULT_TIMEOUT_SECONDS, names: Sequence[str] | None = None,
                  port_advice: str | None = None, identity: Mapping[str, Any] | None = None,
-                 exclusive_gpus: str | None = None):
+                 exclusive_gpus: str | None = None, members_advice: str | None = None):
         if timeout <= 0:
             raise ValueError(f"rendezvous timeout must be positive seconds, got {timeout!r}")
         if not 0 <= rank < len(addresses):
@@ -171,6 +177,7 @@ class Rendezvous:
         self.fingerprint = dict(fingerprint)
         self.timeout = float(timeout)
         self.port_advice = port_advice or DEFAULT_PORT_ADVICE
+        self.members_advice = members_advice or DEFAULT_MEMBERS_ADVICE
         self.identity = dict(identity or {})
         self.exclusive_gpus = exclusive_gpus
         self._state = _State()
@@ -198,12 +205,17 @@ class Rendezvous:
                 # Relay the root cause verbatim, so every worker prints the same sentence.
                 self._state.fail(str(hello["abort"]))
             return None
-        difference = describe_difference(self.fingerprint, hello.get("fingerprint", {}))
+        theirs = hello.get("fingerprint", {})
+        difference = describe_difference(self.fingerprint, theirs, self.me.name, str(name))
         if difference:
+            # Relayed verbatim to every worker, so it names workers, never "ours" / "theirs".
+            backend = ("" if self.fingerprint.get("backend") == theirs.get("backend") else
+                       " Set KERAS_BACKEND to the same backend on every worker (where it is unset, "
+                       "Keras reads ~/.keras/keras.json).")
             self._state.fail(
                 f"{who} is configured differently from {self.me.name} at {self.me.address}: "
-                f"{difference}. Every worker must run the same TF_CONFIG cluster (same order), "
-                "the same package versions and the same backend options."
+                f"{difference}.{backend} Every worker must run the same TF_CONFIG cluster (same "
+                "order), the same package versions and the same backend options."
             )
             return None
         if not isinstance(rank, int) or not 0 <= rank < len(self.peers):
@@ -408,6 +420,11 @@ class Rendezvous:
                 _send_line(sock, self._hello())
                 reply = _read_line(sock)
                 occupant = f"another keras_mwms worker that calls itself {reply.get('name')}"
+                if reply.get("name") == self.me.name:
+                    occupant += (" too: two processes were given the same place in the cluster (a "
+                                 "TF_CONFIG left in the shell is read before torchrun, Slurm or MPI "
+                                 "variables: see the cluster source each worker names, or set "
+                                 "KERAS_MWMS_CLUSTER_SOURCE)")
                 difference = describe_difference(self.fingerprint, reply.get("fingerprint", {}))
                 if difference:
                     occupant += f" and is configured differently: {difference}"
@@ -484,7 +501,7 @@ class Rendezvous:
             listing = ", ".join(f"{peer.name} ({peer.address})" for peer in missing)
             raise RendezvousError(
                 f"{self.me.name} ({self.me.address}) gave up after {elapsed:.0f} s waiting for "
-                f"{listing}. Start every worker listed in TF_CONFIG within the timeout, check "
+                f"{listing}. {self.members_advice} within the timeout, check "
                 "that their host:port is reachable from here (firewalls), or raise the timeout "
                 "(CommunicationOptions(rendezvous_timeout_seconds=...) or "
                 "KERAS_MWMS_RENDEZVOUS_TIMEOUT)."

@@ -20,7 +20,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from keras_mwms import active, devices, diagnostics
+from keras_mwms import active, devices, diagnostics, threads
+from keras_mwms.advice import advice_for
 from keras_mwms.backends import backend_class, callback_list, policy, resume
 from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver
 from keras_mwms.communication import CommunicationOptions
@@ -118,9 +119,15 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
                 "without the strategy."
             )
         self._backend_name = devices.backend_name()
+        missing = devices.missing_backend_error({"KERAS_BACKEND": self._backend_name})
+        if missing is not None:
+            raise missing
         backend_type = backend_class(self._backend_name)
         self._backend = backend_type(self._resolver, self._options, self._tf_config_at_creation)
-        if self._resolver.num_workers == 1:
+        # One worker by choice (`keras_mwms.launch --workers 1`, e.g. one TensorFlow worker with
+        # every GPU of its host) is not the mistake the warning is about.
+        launched_alone = bool(self._tf_config_at_creation) and os.environ.get(devices.LOCAL_WORKERS_ENV) == "1"
+        if self._resolver.num_workers == 1 and not launched_alone:
             warnings.warn(
                 "keras_mwms.MultiWorkerMirroredStrategy is running a single worker "
                 + ("(TF_CONFIG lists one worker). " if self._tf_config_at_creation else
@@ -140,10 +147,14 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
             identity = devices.worker_identity(self._backend_name, self._resolver.num_workers)
             exclusive = policy.exclusive_gpus_reason(self._backend_name, self._options.implementation,
                                                      len(identity["gpus"]))
+            hints = advice_for(self._resolver)
             Rendezvous(self._resolver.worker_addresses, self._resolver.worker_index, fingerprint,
                        timeout=self._options.rendezvous_timeout_seconds, names=names,
-                       port_advice=getattr(self._resolver, "port_advice", None),
+                       port_advice=hints.ports, members_advice=hints.members,
                        identity=identity, exclusive_gpus=exclusive).run()
+        split = threads.plan(self._resolver.worker_addresses, self._resolver.worker_index)
+        if split.threads and self._backend.use_compute_threads(split.threads) and self._resolver.is_chief:
+            print(split.announcement(), file=sys.stderr, flush=True)
         self._backend.join()
         self._backend.install_patches()
         # Imported here: keras_mwms.callbacks imports Keras, which the backend has now loaded.

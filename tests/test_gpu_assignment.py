@@ -109,7 +109,6 @@ def test_a_launcher_narrowed_worker_uses_what_it_sees(backend):
     ("torch", 2, ["0"], "all", ["0", "0"]),
     ("torch", 2, ["0", "1"], 0, ["", ""]),
     ("jax", 3, [], "auto", None),
-    ("tensorflow", 2, [], "all", None),
     ("torch", 1, ["0", "1"], 1, ["0"]),
 ])
 def test_launch_plans(backend, workers, gpus, per_worker, expected):
@@ -122,6 +121,7 @@ def test_launch_plans(backend, workers, gpus, per_worker, expected):
     ("torch", 2, ["0", "1", "2", "3"], 2, r"torch trains on one device per process"),
     ("torch", 2, ["0", "1"], "all", r"every torch worker all 2 GPUs"),
     ("jax", 2, [], 1, r"shows no GPU"),
+    ("tensorflow", 1, [], "all", r"--gpus-per-worker all, but this host shows no GPU.*Drop --gpus-per-worker"),
 ])
 def test_launch_refusals(backend, workers, gpus, per_worker, message):
     with pytest.raises(GpuAssignmentError, match=message):

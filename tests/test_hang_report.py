@@ -233,6 +233,45 @@ def test_sigusr1_reports_while_the_main_thread_sleeps_in_c():
     assert time.monotonic() - started < 15
 
 
+def test_a_report_on_request_never_ends_the_job():
+    """Worker 1 is between collectives while worker 0 waits in one: the round's snapshot reads
+    "behind", but a report asked for by SIGUSR1 is printed and both workers live on."""
+    ports = find_free_ports(2)
+    script = textwrap.dedent(f"""
+        import time
+        from keras_mwms.diagnostics.ledger import Ledger
+        from keras_mwms.diagnostics.watchdog import Watchdog
+        addresses = ["127.0.0.1:{ports[0]}", "127.0.0.1:{ports[1]}"]
+        waiting, working = Ledger(enabled=True), Ledger(enabled=True)
+        second = Watchdog(1, addresses, threshold=60, ledger=working)
+        second.start()   # the first started arms SIGUSR1: worker 1 is asked
+        first = Watchdog(0, addresses, threshold=60, ledger=waiting)
+        first.start()
+        def train_step():
+            with working.train_step():
+                pass
+        train_step()
+        print("ready", flush=True)
+        with waiting.collective("gradient all-reduce"):
+            time.sleep(8)
+        print("alive", flush=True)
+    """)
+    process = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        time.sleep(0.5)
+        process.send_signal(signal.SIGUSR1)
+        output, _ = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == 0, output
+    assert "keras_mwms hang report (SIGUSR1): training goes on; every worker:" in output, output
+    assert "if this lasts 60 s, the verdict will be: " + verdicts.HEADLINE in output, output
+    assert output.index("keras_mwms hang report") < output.index("alive"), output
+
+
 # -- real gangs -------------------------------------------------------------------------------
 @dataclass
 class Run:
@@ -327,3 +366,20 @@ def test_the_gang_ends_with_one_verdict_naming_the_stuck_worker(hang_runs, backe
         assert "lost worker" not in run.output, run.describe()
     assert seconds <= BOUND, run.describe()
     assert not run.orphans, run.describe()
+
+
+@pytest.mark.torch
+def test_kill_usr1_on_a_healthy_gang_prints_the_report_and_training_goes_on(tmp_path):
+    """`kill -USR1` reaches worker 1 while it makes a batch and worker 0 waits in a collective:
+    the report is printed once, and the gang finishes both fits and exits 0."""
+    marker = f"kmwms-usr1-{uuid.uuid4().hex[:12]}"
+    result = run_launcher(["--workers", "2", "--grace-period", "3"],
+                          [str(WORKERS_DIR / "hang_scenario.py"), str(tmp_path), "--fault", "usr1",
+                           "--at-batch", str(AT_BATCH), "--sleep", "4", "--marker", marker],
+                          timeout=GANG_TIMEOUT, env=worker_env("torch"))
+    described = f"exit {result.returncode}\n{result.launcher_log[-3000:]}\n{result.output[-6000:]}"
+    assert result.returncode == 0, described
+    assert result.output.count("keras_mwms hang report (SIGUSR1)") == 1, described
+    for index in (0, 1):
+        with open(tmp_path / f"w{index}.json") as handle:
+            assert json.load(handle)["completed"], described

@@ -14,7 +14,7 @@ import pytest
 
 from keras_mwms.cluster import parse_tf_config
 from keras_mwms.launch import Gang, describe_exit, exit_code_of, find_free_ports
-from tests.multiworker import REPO, WORKERS_DIR
+from tests.multiworker import REPO, WORKERS_DIR, run_launcher, worker_env
 
 WORKER = str(WORKERS_DIR / "launch_worker.py")
 STUBBORN_WORKER = str(WORKERS_DIR / "launch_stubborn_worker.py")
@@ -269,3 +269,40 @@ def test_cli_dispatch(arguments, code):
     completed = subprocess.run([sys.executable, "-m", "keras_mwms.cli", *arguments], cwd=REPO,
                                capture_output=True, text=True, timeout=60)
     assert completed.returncode == code
+
+
+def test_cli_version_and_the_help_of_launch_and_benchmark():
+    def run(*arguments):
+        return subprocess.run([sys.executable, "-m", "keras_mwms.cli", *arguments], cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+
+    from keras_mwms.version import __version__
+
+    assert run("--version").stdout.strip() == f"keras-mwms {__version__}"
+    launch_help = " ".join(run("launch", "--help").stdout.split())
+    for default in ("(default 0)", "(default localhost)", "(default 10)"):
+        assert default in launch_help, launch_help
+    benchmark_help = run("benchmark", "--help").stdout
+    for command in ("accumulation", "compression", "orchestrators"):
+        assert command in benchmark_help.split("positional arguments")[0], benchmark_help
+
+
+@pytest.mark.torch
+def test_one_worker_by_choice_is_not_warned_about(tmp_path):
+    """`launch --workers 1` (one TensorFlow worker with all GPUs, say) is deliberate: no
+    single-worker warning, which still comes without the launcher."""
+    script = tmp_path / "alone.py"
+    script.write_text("import warnings\n"
+                      "with warnings.catch_warnings(record=True) as caught:\n"
+                      "    warnings.simplefilter('always')\n"
+                      "    import keras_mwms\n"
+                      "    strategy = keras_mwms.MultiWorkerMirroredStrategy()\n"
+                      "print('workers', strategy.num_workers,\n"
+                      "      'warned', sum('running a single worker' in str(w.message) for w in caught))\n")
+    launched = run_launcher(["--workers", "1"], [str(script)], timeout=120, env=worker_env("torch"))
+    assert launched.returncode == 0, launched.output + launched.launcher_log
+    assert "workers 1 warned 0" in launched.output, launched.output
+    alone = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=120, env={**os.environ, **worker_env("torch")})
+    assert "workers 1 warned 1" in alone.stdout, alone.stdout + alone.stderr
+

@@ -208,6 +208,16 @@ def test_workers_shuffling_tf_data_differently_are_warned(runs):
 
 
 @pytest.mark.slow
+def test_a_global_batch_smaller_than_the_workers_is_said_once_on_the_chief(runs):
+    def idle(worker):
+        return [text for text in runs.result("batch_smaller_than_workers", worker)["warnings"]
+                if "is smaller than the 2 replicas" in text]
+
+    assert len(idle(0)) == 1 and "batch_size=2" in idle(0)[0], idle(0)
+    assert idle(1) == []
+    assert not any("smaller than the" in text for text in runs.result("sgd_arrays", 0)["warnings"])
+
+
 def test_only_the_chief_prints_epoch_lines(runs):
     printed = [runs.result("verbose2", worker)["printed"] for worker in range(2)]
     assert "Epoch 1/2" in printed[0] and "loss" in printed[0], printed[0]

@@ -83,6 +83,11 @@ class Backend(abc.ABC):
     def join(self) -> None:
         """Starts the backend's collective engine; called after the rendezvous succeeded."""
 
+    def use_compute_threads(self, threads: int) -> bool:
+        """Runs this worker's CPU math on `threads` threads before `join`; False where the
+        backend cannot change them once its runtime started (the default)."""
+        return False
+
     def leave(self) -> None:  # noqa: B027 - optional hook, most engines need no teardown
         """Tears the engine down; safe to call twice."""
 

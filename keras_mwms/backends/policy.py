@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from keras_mwms import diagnostics
+from keras_mwms.advice import advice_for
 from keras_mwms.errors import WorkerLostError
 
 # -- nests --------------------------------------------------------------------------------
@@ -107,8 +108,43 @@ def dummy_row(batch: Any, zeros: Callable[[tuple, Any], Any] = np.zeros) -> Any:
 # -- row checks ---------------------------------------------------------------------------
 
 
+def idle_replicas_warning(global_batch_rows: int | None, num_replicas: int) -> str | None:
+    """The warning when a global batch has fewer rows than there are replicas, else None.
+
+    Example:
+
+    >>> print(idle_replicas_warning(1, 2))  # doctest: +ELLIPSIS
+    keras_mwms: the global batch of 1 row is smaller than the 2 replicas: 1 of them gets no rows ...
+    >>> idle_replicas_warning(2, 2) is None, idle_replicas_warning(None, 2) is None
+    (True, True)
+    """
+    if global_batch_rows is None or not 0 < global_batch_rows < num_replicas:
+        return None
+    idle = num_replicas - global_batch_rows
+    return (f"keras_mwms: the global batch of {global_batch_rows} row{'s' if global_batch_rows > 1 else ''} "
+            f"is smaller than the {num_replicas} replicas: {idle} of them get{'s' if idle == 1 else ''} "
+            "no rows in each step and only wait (training stays correct: every step still takes the "
+            f"whole global batch). Pass batch_size={num_replicas} or more to use every worker.")
+
+
+_warned_idle = False
+
+
+def warn_idle_replicas(port: Any, x: Any, batch_size: int | None, stacklevel: int) -> None:
+    """Warns once per process when fit's global batch leaves replicas without rows."""
+    global _warned_idle
+    from keras_mwms.data import global_batch_rows
+
+    replicas = getattr(port, "num_replicas_in_sync", port.num_workers)
+    message = idle_replicas_warning(global_batch_rows(x, batch_size), replicas)
+    if message is not None and not _warned_idle:
+        _warned_idle = True
+        if port.worker_index == 0:   # the same on every worker: the chief says it
+            warnings.warn(message, stacklevel=stacklevel + 1)
+
+
 def check_same_rows(port: Any, x: Any, what: str, digest: str | None = None,
-                    stacklevel: int = 4) -> None:
+                    stacklevel: int = 4, batch_size: int | None = None) -> None:
     """Every worker must pass arrays of one length; checked with one all-reduce, before step 1.
 
     Different lengths give workers different step counts, so their collectives would pair
@@ -117,7 +153,9 @@ def check_same_rows(port: Any, x: Any, what: str, digest: str | None = None,
     same all-reduce; when the workers' digests differ every worker warns that their datasets
     start differently (a shuffle seeded differently per worker, or not at all).
 
-    `port` offers `num_workers`, `worker_index` and `all_reduce(array, op)`.
+    `port` offers `num_workers`, `worker_index` and `all_reduce(array, op)`. `batch_size`
+    (fit's argument) also checks that the global batch has a row for every replica
+    (`warn_idle_replicas`).
 
     Example (one worker: nothing to compare, no collective):
 
@@ -128,6 +166,8 @@ def check_same_rows(port: Any, x: Any, what: str, digest: str | None = None,
 
     if port.num_workers == 1:
         return
+    if what == "model.fit()":
+        warn_idle_replicas(port, x, batch_size, stacklevel)
     rows = leading_rows(x)
     # Per worker: rows + 1 (0: not arrays), then the 64-bit digest as two exact 32-bit halves
     # (-1: none); float64 holds both exactly.
@@ -399,7 +439,9 @@ def worker_label(resolver: Any, rank: int) -> str:
     return f"worker {rank} ({job}:{index} at {resolver.worker_addresses[rank]})"
 
 
-def lost_worker_message(worker_index: int, lost: list[str], where: str, underlying: str) -> str:
+def lost_worker_message(worker_index: int, lost: list[str], where: str, underlying: str,
+                        restart: str = "Restart the whole job (`python -m keras_mwms.launch --max-restarts N`) "
+                                       "and resume with keras_mwms.callbacks.BackupAndRestore.") -> str:
     """The one message every backend gives when a peer is lost (see `raise_worker_lost`).
 
     Example:
@@ -411,8 +453,7 @@ def lost_worker_message(worker_index: int, lost: list[str], where: str, underlyi
     return (
         f"keras_mwms worker {worker_index}: lost {', '.join(lost) or 'an unidentified peer worker'} "
         f"during {where}: {first_line.rstrip('.')}. Synchronous training cannot continue; every "
-        "worker stops. Restart the whole job (`python -m keras_mwms.launch --max-restarts N`) and "
-        "resume with keras_mwms.callbacks.BackupAndRestore."
+        f"worker stops. {restart}"
     )
 
 
@@ -450,7 +491,8 @@ def raise_worker_lost(backend: Any, where: str, error: BaseException, lost_ranks
     diagnostics.confirm_lost(where)
     labels = [worker_label(backend.resolver, rank) for rank in lost_ranks]
     message = lost_worker_message(backend.worker_index, labels, where,
-                                  str(error) or type(error).__name__)
+                                  str(error) or type(error).__name__,
+                                  restart=advice_for(backend.resolver).restart)
     print(message, file=sys.stderr, flush=True)
     start_exit_watchdog(backend.options.lost_worker_exit_seconds)
     raise WorkerLostError(message, lost_workers=lost_ranks, where=where) from error

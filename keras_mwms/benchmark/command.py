@@ -10,6 +10,10 @@ from pathlib import Path
 from keras_mwms.benchmark.config import BACKENDS, full_config, quick_config
 
 SECTIONS = {"all": ("allreduce", "fit"), "allreduce": ("allreduce",), "fit": ("fit",)}
+# Measurements with their own gangs and options (`keras-mwms benchmark NAME --help`).
+OWN_COMMANDS = {"accumulation": "gradient accumulation K=4 against K=1",
+                "compression": "gradient compression over tc-shaped links (root)",
+                "orchestrators": "torch steps/s started by the launcher, srun and mpirun"}
 
 
 def _names(text: str, allowed: Sequence[str], what: str) -> tuple[str, ...]:
@@ -53,8 +57,10 @@ def build_parser(prog: str = "python -m keras_mwms.benchmark") -> argparse.Argum
                "links (root): %(prog)s compression --link 1gbit,100mbit   |   gradient accumulation K=4 vs K=1: "
                "%(prog)s accumulation --k 1,4",
     )
-    parser.add_argument("what", nargs="?", default="all", choices=sorted(SECTIONS),
-                        help="which measurements (default all)")
+    parser.add_argument("what", nargs="?", default="all", choices=sorted(SECTIONS) + sorted(OWN_COMMANDS),
+                        help="which measurements (default all); "
+                             + "; ".join(f"{name}: {summary}" for name, summary in OWN_COMMANDS.items())
+                             + " (each has its own --help)")
     parser.add_argument("--quick", action="store_true",
                         help="the short CI preset: 3 sizes, the MLP 256x2 only, 40 steps, one repeat")
     parser.add_argument("--out", default="build/benchmark", help="output folder (default build/benchmark)")
@@ -107,14 +113,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m keras_mwms.be
     from keras_mwms.benchmark import runner
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["accumulation"]:   # its own gangs: K = 1 against K = 4 side by side
-        from keras_mwms.benchmark import accumulation
+    if argv[:1] and argv[0] in OWN_COMMANDS:
+        import importlib
 
-        return accumulation.main(argv[1:], prog)
-    if argv[:1] == ["compression"]:   # its own gangs, across two shaped network namespaces
-        from keras_mwms.benchmark import compression
-
-        return compression.main(argv[1:], prog)
+        return importlib.import_module(f"keras_mwms.benchmark.{argv[0]}").main(argv[1:], prog)
     parser = build_parser(prog)
     arguments = parser.parse_args(argv)
     config = config_from_arguments(arguments, parser)

@@ -81,7 +81,9 @@ def fit_once(strategy, settings: dict, compression: str | None) -> dict:
 
 def run_gang_worker(argv: list[str], fit_rows) -> int:
     """A benchmark gang worker's whole run: `argv` is `OUT.json SETTINGS.json`; writes
-    `{"worker": index, "rows": fit_rows(strategy, settings)}` to OUT.json (torch: one thread)."""
+    `{"worker": index, "rows": fit_rows(strategy, settings)}` to OUT.json, `{worker}` in it
+    replaced by the worker's index. torch gets one thread unless the settings say
+    `"threads": "as started"` (the thread split keras_mwms makes is what is measured)."""
     out, settings_path = argv
     with open(settings_path) as file:
         settings = json.load(file)
@@ -89,14 +91,19 @@ def run_gang_worker(argv: list[str], fit_rows) -> int:
 
     import keras_mwms
 
-    if keras.backend.backend() == "torch":
+    if keras.backend.backend() == "torch" and settings.get("threads") != "as started":
         import torch
 
         torch.set_num_threads(1)
     strategy = keras_mwms.MultiWorkerMirroredStrategy()
     rows = fit_rows(strategy, settings)
-    with open(out, "w") as file:
-        json.dump({"worker": strategy.worker_index, "rows": rows}, file)
+    threads = None
+    if keras.backend.backend() == "torch":
+        import torch
+
+        threads = torch.get_num_threads()
+    with open(out.replace("{worker}", str(strategy.worker_index)), "w") as file:
+        json.dump({"worker": strategy.worker_index, "rows": rows, "threads": threads}, file)
     return 0
 
 

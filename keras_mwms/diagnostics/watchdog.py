@@ -14,7 +14,8 @@ lowest-index worker that reported (the chief unless it is the stuck one) decides
 worker ends at once with exit status `HANG_EXIT_CODE` (`os._exit`: the stuck engine's teardown
 would wait forever). No verdict (every worker waits in the same collective: a slow step) lets
 training go on; the next report can come one threshold later. A report asked for by SIGUSR1
-is printed even then, and nobody exits.
+is printed and never ends the job, verdict or not: on request the workers are caught between
+collectives as often as stuck in one.
 
 A worker whose script ends (or that closes its strategy) without an error announces *leaving*
 (its last collective's sequence number). A peer that then waits in a collective with a higher
@@ -326,16 +327,22 @@ class Watchdog:
     def _decide_and_end(self, note: str = "") -> None:
         self._verdict_until = None
         verdict = verdicts.decide(self._reports, self.num_workers, settled=self._confirm, left=self._left)
-        if verdict is not None and (not self._confirm or verdict.kind in ("desync", "called alone")):
+        # A report asked for by SIGUSR1 is a snapshot of a job that may well be healthy (one
+        # worker between collectives while its peer already waits): print it, never end the job.
+        # A real hang still trips the threshold and gets its verdict then.
+        if verdict is not None and not self._manual and (not self._confirm or verdict.kind in ("desync", "called alone")):
             text = verdict.text.replace("\n", f"{note}\n", 1) if note else verdict.text
             self._everyone({"type": "verdict", "final": True, "text": text, "kind": verdict.kind,
                             "workers": verdict.workers, "reporter": self.index})
             self._end(verdict, text, self.index)
             return
         if self._manual:
-            self._print("keras_mwms hang report (SIGUSR1): no hang found; every worker:\n" +
+            lasting = ("" if verdict is None else
+                       f"\n  if this lasts {self.threshold:g} s, the verdict will be: {verdict.text.splitlines()[0]}")
+            found = "no hang found" if verdict is None else "training goes on"
+            self._print(f"keras_mwms hang report (SIGUSR1): {found}; every worker:\n" +
                         "\n".join(f"  worker {worker}: {verdicts._where(self._reports[worker])}"
-                                  for worker in sorted(self._reports)))
+                                   for worker in sorted(self._reports)) + lasting)
         self._everyone({"type": "verdict", "final": False, "reporter": self.index})
         self._reset()
 

@@ -1,6 +1,6 @@
 """Hang and straggler scenarios for the hang report and the straggler table (every backend).
 
-    python hang_scenario.py OUT_DIR --fault data|desync|sigstop|chief-evaluate|none [options] --marker UNIQUE
+    python hang_scenario.py OUT_DIR --fault data|desync|sigstop|chief-evaluate|usr1|none [options] --marker UNIQUE
 
 Every worker trains a small MLP on a `keras.utils.PyDataset` of global batches: a warm-up
 `fit` of one epoch (compiles, traces, first collectives), then the faulty part on worker
@@ -11,6 +11,9 @@ Every worker trains a small MLP on a `keras.utils.PyDataset` of global batches: 
 * `sigstop`: it stops itself (SIGSTOP) at batch `--at-batch` of the second fit;
 * `chief-evaluate`: the tf.distribute habit `if strategy.is_chief: model.evaluate(...)` after the
   warm-up fit (the chief is the faulty worker); the other workers' scripts end there;
+* `usr1`: making batch `--at-batch` of the second fit, it asks for a report (`kill -USR1`
+  itself) and sleeps `--sleep` seconds, so the report catches it outside a collective while
+  its peer waits in one; the job is healthy and must finish;
 * `none`: a fit of `--epochs` epochs as it is, then one where `--delay D` makes worker
   `--worker`'s PyDataset sleep D seconds per batch (a straggler).
 
@@ -36,7 +39,7 @@ GLOBAL_BATCH = 32
 def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--fault", choices=("data", "desync", "sigstop", "chief-evaluate", "none"), required=True)
+    parser.add_argument("--fault", choices=("data", "desync", "sigstop", "chief-evaluate", "usr1", "none"), required=True)
     parser.add_argument("--worker", type=int, default=1)
     parser.add_argument("--at-batch", type=int, default=3)
     parser.add_argument("--sleep", type=float, default=30.0)
@@ -94,9 +97,11 @@ def train(arguments: argparse.Namespace, strategy, index: int, faulty: bool) -> 
 
         def __getitem__(self, item):
             if self.armed and faulty:
-                if arguments.fault == "data" and item == arguments.at_batch:
+                if arguments.fault in ("data", "usr1") and item == arguments.at_batch:
                     self.armed = False
-                    record_fault(arguments.out, index, "data")
+                    record_fault(arguments.out, index, arguments.fault)
+                    if arguments.fault == "usr1":
+                        os.kill(os.getpid(), signal.SIGUSR1)
                     time.sleep(arguments.sleep)
                 if arguments.delay:
                     time.sleep(arguments.delay)

@@ -506,6 +506,14 @@ def variant_evaluate_predict_uneven():
     return model, {"history": history, "evaluate": evaluated, "predict": predicted.tolist()}
 
 
+def variant_batch_smaller_than_workers():
+    x, y = regression(8)
+    with scope():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    return model, {"history": fit_arrays(model, x, y, batch_size=1, epochs=1)}
+
+
 VARIANTS = {name[len("variant_"):]: function for name, function in sorted(globals().items())
             if name.startswith("variant_")}
 

@@ -164,7 +164,7 @@ def _fit_global_batches(model, backend, values, call):
     x, y, sample_weight = values["x"], values["y"], values["sample_weight"]
     backend.check_tf_config_unchanged(stacklevel=3)
     digest = None if data.shard_policy_is_off(x) else first_batch_digest(x)
-    policy.check_same_rows(backend, x, "model.fit()", digest=digest)
+    policy.check_same_rows(backend, x, "model.fit()", digest=digest, batch_size=values["batch_size"])
     resumable_inputs.prepare_fit(backend, model, values)
     x, y, sample_weight = values["x"], values["y"], values["sample_weight"]
     validation_data = values["validation_data"]

@@ -179,6 +179,15 @@ class TensorFlowBackend(Backend):
         return self.options.timeout_seconds or DEFAULT_COLLECTIVE_TIMEOUT_SECONDS
 
     # -- life cycle -----------------------------------------------------------------------
+    def use_compute_threads(self, threads: int) -> bool:
+        import tensorflow as tf
+
+        try:   # only an op's own threads: collectives keep TF's inter-op pool
+            tf.config.threading.set_intra_op_parallelism_threads(threads)
+        except RuntimeError:   # TF already ran an op; join() says how to fix the order
+            return False
+        return True
+
     def join(self) -> None:
         import tensorflow as tf
 

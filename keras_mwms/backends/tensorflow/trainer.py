@@ -116,7 +116,8 @@ def _prepare_call(backend: Any, model: Any, method: str, bound: inspect.BoundArg
     if method in ("fit", "evaluate"):
         # AutoShardPolicy.OFF: each worker's dataset is its own data, different by design.
         digest = first_batch_digest(x) if method == "fit" and not unsharded else None
-        policy.check_same_rows(backend, x, f"model.{method}()", digest=digest)
+        policy.check_same_rows(backend, x, f"model.{method}()", digest=digest,
+                              batch_size=arguments.get("batch_size"))
     if method == "fit":
         _resumable_order(backend, model, arguments)
     if method == "fit" and inspect.isgenerator(x):

@@ -355,7 +355,8 @@ def shard_fit_inputs(backend: TorchEngine, fit: Callable, args: tuple, kwargs: d
         or _shuffling_loader(x) or _shuffling_loader(validation))
     # The digest reads the dataset's shuffle seeds or first batch: only where it is compared.
     compare = backend.distributed and not _sharding_off(x)
-    policy.check_same_rows(backend, x, "model.fit()", digest=first_batch_digest(x) if compare else None)
+    policy.check_same_rows(backend, x, "model.fit()", digest=first_batch_digest(x) if compare else None,
+                           batch_size=values["batch_size"])
     resumable_inputs.prepare_fit(backend, model, values)
     x, y, sample_weight = values["x"], values["y"], values["sample_weight"]
     if _is_arrays(x, y, sample_weight):

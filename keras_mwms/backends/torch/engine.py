@@ -149,11 +149,13 @@ class TorchEngine(Backend):
             else torch.device("cpu")
 
     # -- life cycle -----------------------------------------------------------------------
+    def use_compute_threads(self, threads: int) -> bool:
+        torch.set_num_threads(threads)
+        return True
+
     def join(self) -> None:
         """Starts `torch.distributed` at the chief's address (bounded by the collective timeout)."""
         engine = self.engine_description()
-        if "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(devices.threads_per_worker())
         if self.gpu_assignment.gpus:
             torch.cuda.set_device(self.gpu_assignment.gpus[0])
         if dist.is_initialized():
