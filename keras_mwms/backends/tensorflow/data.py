@@ -147,29 +147,35 @@ def batch_without_iterating(adapter: Any) -> Any:
         return batch if isinstance(batch, tuple) else (batch,)
     if isinstance(adapter, TFDatasetAdapter):
         # A new iterator of a dataset shuffled with `reshuffle_each_iteration` advances its
-        # seed: training would start at the *second* shuffle order. Zeros of the element spec
-        # have the shapes and dtypes the build needs.
-        return zeros_like_spec(adapter._dataset.element_spec)
+        # seed: training would start at the *second* shuffle order. The element spec has the
+        # shapes and dtypes the build needs.
+        return symbolic_batch_of_spec(adapter._dataset.element_spec)
     return None
 
 
-def zeros_like_spec(spec: Any) -> Any:
-    """A batch of zeros matching a dataset's dense `element_spec` (batch dimension 1), else None.
+def symbolic_batch_of_spec(spec: Any) -> Any:
+    """Keras tensors with a dataset's dense `element_spec`, unknown dimensions kept unknown, else None.
+
+    The symbolic build needs only shapes and dtypes. A concrete batch would have to give every
+    unknown dimension a size, and a non-batch one (the time axis of
+    `keras.utils.timeseries_dataset_from_array`, `(None, None, 3)`) filled with 1 fails a model
+    whose `Input` fixes it ("expected shape=(None, 12, 3), found shape=(1, 1, 3)").
 
     Example:
 
     >>> import tensorflow as tf
-    >>> batch = zeros_like_spec((tf.TensorSpec([None, 3], tf.float32), tf.TensorSpec([None], tf.int64)))
-    >>> [(tuple(leaf.shape), leaf.dtype.name) for leaf in batch]
-    [((1, 3), 'float32'), ((1,), 'int64')]
+    >>> batch = symbolic_batch_of_spec((tf.TensorSpec([None, None, 3], tf.float32),
+    ...                                 tf.TensorSpec([None], tf.int64)))
+    >>> [(leaf.shape, leaf.dtype) for leaf in batch]
+    [((None, None, 3), 'float32'), ((None,), 'int64')]
     """
+    import keras
     import tensorflow as tf
 
     leaves = tf.nest.flatten(spec)
     if not all(isinstance(leaf, tf.TensorSpec) for leaf in leaves):
         return None
-    batch = tf.nest.map_structure(
-        lambda leaf: tf.zeros([1 if size is None else size for size in leaf.shape], leaf.dtype), spec)
+    batch = tf.nest.map_structure(lambda leaf: keras.KerasTensor(tuple(leaf.shape), leaf.dtype.name), spec)
     return batch if isinstance(batch, tuple) else (batch,)
 
 
