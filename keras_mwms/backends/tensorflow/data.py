@@ -17,6 +17,13 @@ in a Python generator, and with several workers TF's prefetching iterators lost 
 `keras.utils.PyDataset` in `fit` is `range(num_batches)` mapped by its batch index, the epoch's
 order drawn on the main thread at `on_epoch_begin`, not Keras' `from_generator` pipeline.
 
+**Batches made in Python are copied before TensorFlow gets them** (`copy_python_batches`,
+`owned_copy`). TF wraps a NumPy array a `py_function` or `from_generator` returns without
+copying it, and a kernel whose input buffer it believes unshared may write its output into
+that buffer: with several workers the user's own arrays changed under training (a generator
+yielding slices `y[start:stop]` of one array: 128 of its 256 targets overwritten in epoch 1,
+so epoch 2 and every later fit on that array trained on the damaged targets).
+
 **A batch for the model's symbolic build.** Keras pulls one from the epoch iterator, which
 consumes batches of a Python generator and advances shuffles; `batch_without_iterating` gives
 one with the same shapes and dtypes without touching the data.
@@ -201,7 +208,7 @@ def stream_dataset(stream: Any) -> Any:
     shapes = [[None, *leaf.shape[1:]] for leaf in leaves]
 
     def read(index):
-        return [np.asarray(leaf) for leaf in tf.nest.flatten(stream[int(index)])]
+        return [owned_copy(leaf) for leaf in tf.nest.flatten(stream[int(index)])]
 
     def load(index):
         tensors = tf.py_function(read, [index], dtypes)
@@ -213,6 +220,49 @@ def stream_dataset(stream: Any) -> Any:
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     options.deterministic = True
     return tf.data.Dataset.range(2**62).map(load).with_options(options)
+
+
+# -- Python batches TensorFlow may write into -------------------------------------------------
+
+def owned_copy(leaf: Any, dtype: Any = None) -> np.ndarray:
+    """A new NumPy array of `leaf` that nothing else references, for TF to wrap (see module doc).
+
+    Example:
+
+    >>> rows = np.arange(4.0)
+    >>> copy = owned_copy(rows[:2], "float32")
+    >>> copy[0] = 9.0; rows[0], copy.dtype.name
+    (np.float64(0.0), 'float32')
+    """
+    return np.array(leaf, dtype=dtype, copy=True)
+
+
+def copy_python_batches(original: Callable) -> Callable:
+    """`GeneratorDataAdapter.get_tf_dataset`: every batch the generator yields is copied in the graph.
+
+    A generator's batches are often views of the user's arrays (`y[start:stop]`); TF wraps
+    them without copying, and a kernel may write into that memory (see the module doc). A
+    `DeepCopy` right after Keras' `from_generator` gives the step buffers TF owns; the
+    generator's arrays are only read.
+
+    Example (a stand-in for Keras' dataset: the same elements come out):
+
+    >>> import tensorflow as tf
+    >>> get_tf_dataset = copy_python_batches(lambda adapter: tf.data.Dataset.from_tensors((np.ones(2),)))
+    >>> [leaf.numpy().tolist() for leaf in next(iter(get_tf_dataset(None)))]
+    [[1.0, 1.0]]
+    """
+    @functools.wraps(original)
+    def get_tf_dataset(self, *args, **kwargs):
+        import tensorflow as tf
+
+        def copied(*batch):
+            return tf.nest.map_structure(
+                lambda leaf: tf.raw_ops.DeepCopy(x=leaf) if isinstance(leaf, tf.Tensor) else leaf, batch)
+
+        return original(self, *args, **kwargs).map(copied, deterministic=True)
+
+    return get_tf_dataset
 
 
 # -- A PyDataset read by batch index ---------------------------------------------------------
@@ -310,8 +360,7 @@ def _indexed_dataset(adapter: Any, signature: Any) -> Any:
     def read(index):
         with LEDGER.data(int(index)):   # the hang report's and straggler table's data phase
             batch = adapter._standardize_batch(adapter.py_dataset[state.order[int(index)]])
-        return [np.asarray(leaf, dtype=spec.dtype.as_numpy_dtype)
-                for leaf, spec in zip(tf.nest.flatten(batch), specs)]
+        return [owned_copy(leaf, spec.dtype.as_numpy_dtype) for leaf, spec in zip(tf.nest.flatten(batch), specs)]
 
     def load(index):
         tensors = tf.py_function(read, [index], [spec.dtype for spec in specs])

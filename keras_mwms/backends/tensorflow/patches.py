@@ -140,6 +140,11 @@ def patch_table(backend: Any) -> PatchTable:
                                 "on CPU, chief-only predict and lost peers need the whole job",
                    parameters=("x", "verbose"))
              for method in ("fit", "evaluate", "predict")]
+    rows.append(Patch(name="tf-predict-on-batch-wrapper", target=f"{_TRAINER}:TensorFlowTrainer.predict_on_batch",
+                      replacement=trainer.trainer_method("predict_on_batch", backend),
+                      works_around="Keras runs predict_on_batch's whole batch on every replica and "
+                                   "concatenates the copies: N × the rows on N workers",
+                      parameters=("x",)))
     rows += [
         Patch(name="tf-row-weighted-steps", target=backend.strategy, attribute="run",
               replacement=weighting.run,
@@ -175,6 +180,12 @@ def patch_table(backend: Any) -> PatchTable:
                            "and all-reduces inside a tf.cond: mixed_float16 hangs across workers "
                            "in the first step",
               parameters=("grads", "trainable_variables")),
+        Patch(name="tf-generator-batches-copied",
+              target="keras.src.trainers.data_adapters.generator_data_adapter:GeneratorDataAdapter.get_tf_dataset",
+              replacement=data.copy_python_batches,
+              works_around="TF wraps the NumPy batches a generator yields without copying and a "
+                           "kernel may write into them: with several workers the user's arrays "
+                           "(views yielded by the generator) were overwritten during fit"),
         Patch(name="tf-pydataset-read-by-index",
               target="keras.src.trainers.data_adapters.py_dataset_adapter:PyDatasetAdapter.get_tf_dataset",
               replacement=data.pydataset_read_by_index,
