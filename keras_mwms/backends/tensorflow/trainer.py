@@ -119,13 +119,6 @@ def _prepare_call(backend: Any, model: Any, method: str, bound: inspect.BoundArg
         policy.check_same_rows(backend, x, f"model.{method}()", digest=digest)
     if method == "fit":
         _resumable_order(backend, model, arguments)
-    if method == "fit" and inspect.isgenerator(x):
-        warnings.warn(
-            "keras_mwms (TensorFlow): model.fit() on a Python generator with several workers "
-            "can intermittently lose batches (TF's prefetching iterators share the one "
-            "generator; seen in a few runs of the test suite, never in the row-count "
-            "checks). Wrap the data in a keras.utils.PyDataset or a tf.data.Dataset for "
-            "exact results.", stacklevel=3)
     if model.jit_compile and backend.gpu_count == 0:
         _compile_without_xla(model)
     if getattr(model, "steps_per_execution", 1) > 1:
