@@ -254,15 +254,28 @@ def copy_python_batches(original: Callable) -> Callable:
     """
     @functools.wraps(original)
     def get_tf_dataset(self, *args, **kwargs):
-        import tensorflow as tf
-
-        def copied(*batch):
-            return tf.nest.map_structure(
-                lambda leaf: tf.raw_ops.DeepCopy(x=leaf) if isinstance(leaf, tf.Tensor) else leaf, batch)
-
-        return original(self, *args, **kwargs).map(copied, deterministic=True)
+        return copied_in_graph(original(self, *args, **kwargs))
 
     return get_tf_dataset
+
+
+def copied_in_graph(dataset: Any) -> Any:
+    """`dataset` with every tensor of every element `DeepCopy`'d: buffers TF owns, not Python's.
+
+    Example:
+
+    >>> import tensorflow as tf
+    >>> [int(value) for value in copied_in_graph(tf.data.Dataset.range(3))]
+    [0, 1, 2]
+    """
+    import tensorflow as tf
+
+    def copied(*batch):
+        batch = tf.nest.map_structure(
+            lambda leaf: tf.raw_ops.DeepCopy(x=leaf) if isinstance(leaf, tf.Tensor) else leaf, batch)
+        return batch if isinstance(dataset.element_spec, tuple) else batch[0]
+
+    return dataset.map(copied)
 
 
 # -- A PyDataset read by batch index ---------------------------------------------------------
@@ -301,25 +314,26 @@ def pydataset_read_by_index(original: Callable) -> Callable:
     thread when the epoch begins (`pydataset_order_at_epoch_begin`), with Python's `random` as
     Keras draws it, so every element is a fixed batch whatever TF prefetches. Other
     PyDatasets (endless, read by Keras' enqueuer, or a fit with `steps_per_epoch`) keep
-    Keras' path.
+    Keras' path (its batches copied in the graph, `copied_in_graph`).
 
-    Example (a PyDataset `fit` did not mark keeps Keras' dataset):
+    Example (a PyDataset `fit` did not mark keeps Keras' dataset, its batches copied in the graph):
 
-    >>> import keras, numpy as np
+    >>> import keras, numpy as np, tensorflow as tf
     >>> from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
     >>> class Batches(keras.utils.PyDataset):
     ...     def __len__(self): return 2
     ...     def __getitem__(self, index): return np.ones((2, 3), "float32"), np.zeros(2, "float32")
-    >>> get_tf_dataset = pydataset_read_by_index(lambda adapter: "Keras' dataset")
-    >>> get_tf_dataset(PyDatasetAdapter(Batches()))
-    "Keras' dataset"
+    >>> get_tf_dataset = pydataset_read_by_index(lambda adapter: tf.data.Dataset.range(2))
+    >>> [int(value) for value in get_tf_dataset(PyDatasetAdapter(Batches()))]
+    [0, 1]
     """
     @functools.wraps(original)
     def get_tf_dataset(self, *args, **kwargs):
         dataset = original(self, *args, **kwargs)
         if (self.enqueuer is not None or self.py_dataset.num_batches is None
                 or not _PY_DATASETS.get(self.py_dataset, "by_index", False)):
-            return dataset
+            # Keras' `from_generator` of the PyDataset's batches: copied, as a generator's are.
+            return copied_in_graph(dataset)
         return _indexed_dataset(self, self._output_signature)
 
     return get_tf_dataset
