@@ -191,7 +191,8 @@ def patch_table(backend: Any) -> PatchTable:
               replacement=data.pydataset_read_by_index,
               works_around="Keras reads a PyDataset through one Python generator per epoch in "
                            "TF's threads; a shuffled one sometimes trained the second epoch on "
-                           "other batches than one process on 2 workers"),
+                           "other batches than one process on 2 workers, and TF may write into the "
+                           "batches it yields (copied where Keras' path stays)"),
         Patch(name="tf-pydataset-order-at-epoch-begin",
               target="keras.src.trainers.data_adapters.py_dataset_adapter:PyDatasetAdapter.on_epoch_begin",
               replacement=data.pydataset_order_at_epoch_begin,
