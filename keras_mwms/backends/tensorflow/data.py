@@ -10,8 +10,8 @@ collectives would pair wrongly or hang).
 **Resumable ordered streams** (`keras_mwms.resumable_inputs`) are fed as a tf.data pipeline
 whose element `i` is the stream's item `i`, read by a `tf.py_function` (`stream_dataset`), not
 through Keras' `PyDataset` adapter: that adapter's `from_generator` keeps each epoch's position
-in a Python generator, and with several workers TF's prefetching iterators lost batches of it
-(README "Known gaps"); a pure function of the element index cannot.
+in a Python generator, read ahead in TF's threads; a pure function of the element index gives
+element `i` whatever TF prefetches.
 
 **A PyDataset read by batch index** (`pydataset_read_by_index`): a finite, shuffled or plain
 `keras.utils.PyDataset` in `fit` is `range(num_batches)` mapped by its batch index, the epoch's
