@@ -122,6 +122,87 @@ def variant_generator():
     return model, {"history": history}
 
 
+def variant_generator_then_tfdata():
+    """An endless generator of views of the user's arrays, then a tf.data and a PyDataset fit of
+    the same arrays in the same process (before the fix, on TensorFlow with several workers, the
+    generator fit overwrote targets in the arrays: its epoch 2 and both later fits trained on them)."""
+    import tensorflow as tf
+
+    rows, batch = 256, 32
+    x, y = regression(rows)
+    untouched = (x.copy(), y.copy())
+
+    def batches():
+        while True:
+            for start in range(0, rows, batch):
+                yield x[start:start + batch], y[start:start + batch]
+
+    def fresh_model():
+        keras.utils.set_random_seed(SEED)
+        with scope():
+            model = mlp()
+            model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+        return model
+
+    history = {}
+    model = fresh_model()
+    steps = rows // batch
+    for key, values in model.fit(batches(), steps_per_epoch=steps, epochs=EPOCHS, verbose=0).history.items():
+        history[f"generator_{key}"] = values
+    model = fresh_model()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+    for key, values in model.fit(dataset, epochs=EPOCHS, verbose=0).history.items():
+        history[f"tfdata_{key}"] = values
+    model = fresh_model()
+    pydataset = _batches_pydataset(x, y, batch=batch)
+    for key, values in model.fit(pydataset, epochs=EPOCHS, shuffle=False, verbose=0).history.items():
+        history[f"pydataset_{key}"] = values
+    changed = int((x != untouched[0]).sum() + (y != untouched[1]).sum())
+    return model, {"history": history, "array_values_changed": changed}
+
+
+def variant_on_batch_loops():
+    """train_on_batch with sample and class weights, test_on_batch, predict_on_batch, on batches
+    of 13 rows (uneven on 2 and 3 workers); every worker passes the whole batch."""
+    x, y = classification()
+    weights = np.linspace(0.2, 2.0, ROWS).astype("float32")
+    with scope():
+        model = mlp(common.NUM_CLASSES)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), metrics=["accuracy"],
+                      weighted_metrics=[keras.metrics.SparseCategoricalCrossentropy(from_logits=True)],
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    logs: dict = {}
+    rows = 13
+    for step in range(6):
+        part = slice(step * rows, (step + 1) * rows)
+        if step % 2:
+            trained = model.train_on_batch(x[part], y[part], class_weight={0: 0.5, 1: 1.0, 2: 2.0},
+                                           return_dict=True)
+        else:
+            trained = model.train_on_batch(x[part], y[part], sample_weight=weights[part], return_dict=True)
+        tested = model.test_on_batch(x[part], y[part], sample_weight=weights[part], return_dict=True)
+        for prefix, values in (("train", trained), ("test", tested)):
+            for key, value in values.items():
+                logs.setdefault(f"{prefix}_{key}", []).append(float(value))
+    logs["predict_on_batch"] = np.asarray(model.predict_on_batch(x[:rows])).ravel().tolist()
+    return model, {"history": logs}
+
+
+def variant_timeseries_lstm():
+    """keras.utils.timeseries_dataset_from_array (time axis unknown in its element spec) into
+    a functional LSTM whose Input fixes it."""
+    rng = np.random.default_rng(5)
+    series = rng.normal(size=(120, 3)).astype("float32")
+    window = 12
+    dataset = keras.utils.timeseries_dataset_from_array(
+        series[:-window], series[window:, :1], sequence_length=window, batch_size=BATCH)
+    with scope():
+        inputs = keras.Input((window, 3))
+        model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.LSTM(8)(inputs)))
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    return model, {"history": model.fit(dataset, epochs=EPOCHS, verbose=0).history}
+
+
 def _clipped(**clip):
     x, y = regression()
     x = x * 4.0    # large gradients, so the clipping is active
@@ -247,16 +328,16 @@ def variant_custom_train_step():
     return model, {"history": history}
 
 
-def _batches_pydataset(x, y, shuffle_kwargs=None):
+def _batches_pydataset(x, y, shuffle_kwargs=None, batch=BATCH):
     class Batches(keras.utils.PyDataset):
         def __init__(self):
             super().__init__(**(shuffle_kwargs or {}))
 
         def __len__(self):
-            return -(-len(x) // BATCH)
+            return -(-len(x) // batch)
 
         def __getitem__(self, index):
-            rows = slice(index * BATCH, (index + 1) * BATCH)
+            rows = slice(index * batch, (index + 1) * batch)
             return x[rows], y[rows]
 
     return Batches()

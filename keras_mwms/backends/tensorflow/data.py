@@ -10,12 +10,19 @@ collectives would pair wrongly or hang).
 **Resumable ordered streams** (`keras_mwms.resumable_inputs`) are fed as a tf.data pipeline
 whose element `i` is the stream's item `i`, read by a `tf.py_function` (`stream_dataset`), not
 through Keras' `PyDataset` adapter: that adapter's `from_generator` keeps each epoch's position
-in a Python generator, and with several workers TF's prefetching iterators lost batches of it
-(README "Known gaps"); a pure function of the element index cannot.
+in a Python generator, read ahead in TF's threads; a pure function of the element index gives
+element `i` whatever TF prefetches.
 
 **A PyDataset read by batch index** (`pydataset_read_by_index`): a finite, shuffled or plain
 `keras.utils.PyDataset` in `fit` is `range(num_batches)` mapped by its batch index, the epoch's
 order drawn on the main thread at `on_epoch_begin`, not Keras' `from_generator` pipeline.
+
+**Batches made in Python are copied before TensorFlow gets them** (`copy_python_batches`,
+`owned_copy`). TF wraps a NumPy array a `py_function` or `from_generator` returns without
+copying it, and a kernel whose input buffer it believes unshared may write its output into
+that buffer: with several workers the user's own arrays changed under training (a generator
+yielding slices `y[start:stop]` of one array: 128 of its 256 targets overwritten in epoch 1,
+so epoch 2 and every later fit on that array trained on the damaged targets).
 
 **A batch for the model's symbolic build.** Keras pulls one from the epoch iterator, which
 consumes batches of a Python generator and advances shuffles; `batch_without_iterating` gives
@@ -147,29 +154,35 @@ def batch_without_iterating(adapter: Any) -> Any:
         return batch if isinstance(batch, tuple) else (batch,)
     if isinstance(adapter, TFDatasetAdapter):
         # A new iterator of a dataset shuffled with `reshuffle_each_iteration` advances its
-        # seed: training would start at the *second* shuffle order. Zeros of the element spec
-        # have the shapes and dtypes the build needs.
-        return zeros_like_spec(adapter._dataset.element_spec)
+        # seed: training would start at the *second* shuffle order. The element spec has the
+        # shapes and dtypes the build needs.
+        return symbolic_batch_of_spec(adapter._dataset.element_spec)
     return None
 
 
-def zeros_like_spec(spec: Any) -> Any:
-    """A batch of zeros matching a dataset's dense `element_spec` (batch dimension 1), else None.
+def symbolic_batch_of_spec(spec: Any) -> Any:
+    """Keras tensors with a dataset's dense `element_spec`, unknown dimensions kept unknown, else None.
+
+    The symbolic build needs only shapes and dtypes. A concrete batch would have to give every
+    unknown dimension a size, and a non-batch one (the time axis of
+    `keras.utils.timeseries_dataset_from_array`, `(None, None, 3)`) filled with 1 fails a model
+    whose `Input` fixes it ("expected shape=(None, 12, 3), found shape=(1, 1, 3)").
 
     Example:
 
     >>> import tensorflow as tf
-    >>> batch = zeros_like_spec((tf.TensorSpec([None, 3], tf.float32), tf.TensorSpec([None], tf.int64)))
-    >>> [(tuple(leaf.shape), leaf.dtype.name) for leaf in batch]
-    [((1, 3), 'float32'), ((1,), 'int64')]
+    >>> batch = symbolic_batch_of_spec((tf.TensorSpec([None, None, 3], tf.float32),
+    ...                                 tf.TensorSpec([None], tf.int64)))
+    >>> [(leaf.shape, leaf.dtype) for leaf in batch]
+    [((None, None, 3), 'float32'), ((None,), 'int64')]
     """
+    import keras
     import tensorflow as tf
 
     leaves = tf.nest.flatten(spec)
     if not all(isinstance(leaf, tf.TensorSpec) for leaf in leaves):
         return None
-    batch = tf.nest.map_structure(
-        lambda leaf: tf.zeros([1 if size is None else size for size in leaf.shape], leaf.dtype), spec)
+    batch = tf.nest.map_structure(lambda leaf: keras.KerasTensor(tuple(leaf.shape), leaf.dtype.name), spec)
     return batch if isinstance(batch, tuple) else (batch,)
 
 
@@ -195,7 +208,7 @@ def stream_dataset(stream: Any) -> Any:
     shapes = [[None, *leaf.shape[1:]] for leaf in leaves]
 
     def read(index):
-        return [np.asarray(leaf) for leaf in tf.nest.flatten(stream[int(index)])]
+        return [owned_copy(leaf) for leaf in tf.nest.flatten(stream[int(index)])]
 
     def load(index):
         tensors = tf.py_function(read, [index], dtypes)
@@ -207,6 +220,62 @@ def stream_dataset(stream: Any) -> Any:
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     options.deterministic = True
     return tf.data.Dataset.range(2**62).map(load).with_options(options)
+
+
+# -- Python batches TensorFlow may write into -------------------------------------------------
+
+def owned_copy(leaf: Any, dtype: Any = None) -> np.ndarray:
+    """A new NumPy array of `leaf` that nothing else references, for TF to wrap (see module doc).
+
+    Example:
+
+    >>> rows = np.arange(4.0)
+    >>> copy = owned_copy(rows[:2], "float32")
+    >>> copy[0] = 9.0; rows[0], copy.dtype.name
+    (np.float64(0.0), 'float32')
+    """
+    return np.array(leaf, dtype=dtype, copy=True)
+
+
+def copy_python_batches(original: Callable) -> Callable:
+    """`GeneratorDataAdapter.get_tf_dataset`: every batch the generator yields is copied in the graph.
+
+    A generator's batches are often views of the user's arrays (`y[start:stop]`); TF wraps
+    them without copying, and a kernel may write into that memory (see the module doc). A
+    `DeepCopy` right after Keras' `from_generator` gives the step buffers TF owns; the
+    generator's arrays are only read.
+
+    Example (a stand-in for Keras' dataset: the same elements come out):
+
+    >>> import tensorflow as tf
+    >>> get_tf_dataset = copy_python_batches(lambda adapter: tf.data.Dataset.from_tensors((np.ones(2),)))
+    >>> [leaf.numpy().tolist() for leaf in next(iter(get_tf_dataset(None)))]
+    [[1.0, 1.0]]
+    """
+    @functools.wraps(original)
+    def get_tf_dataset(self, *args, **kwargs):
+        return copied_in_graph(original(self, *args, **kwargs))
+
+    return get_tf_dataset
+
+
+def copied_in_graph(dataset: Any) -> Any:
+    """`dataset` with every tensor of every element `DeepCopy`'d: buffers TF owns, not Python's.
+
+    Example:
+
+    >>> import tensorflow as tf
+    >>> [int(value) for value in copied_in_graph(tf.data.Dataset.range(3))]
+    [0, 1, 2]
+    """
+    import tensorflow as tf
+
+    def copied(*batch):
+        batch = tf.nest.map_structure(
+            lambda leaf: tf.raw_ops.DeepCopy(x=leaf) if isinstance(leaf, tf.Tensor) else leaf, batch)
+        return batch if isinstance(dataset.element_spec, tuple) else batch[0]
+
+    return dataset.map(copied)
 
 
 # -- A PyDataset read by batch index ---------------------------------------------------------
@@ -245,25 +314,26 @@ def pydataset_read_by_index(original: Callable) -> Callable:
     thread when the epoch begins (`pydataset_order_at_epoch_begin`), with Python's `random` as
     Keras draws it, so every element is a fixed batch whatever TF prefetches. Other
     PyDatasets (endless, read by Keras' enqueuer, or a fit with `steps_per_epoch`) keep
-    Keras' path.
+    Keras' path (its batches copied in the graph, `copied_in_graph`).
 
-    Example (a PyDataset `fit` did not mark keeps Keras' dataset):
+    Example (a PyDataset `fit` did not mark keeps Keras' dataset, its batches copied in the graph):
 
-    >>> import keras, numpy as np
+    >>> import keras, numpy as np, tensorflow as tf
     >>> from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
     >>> class Batches(keras.utils.PyDataset):
     ...     def __len__(self): return 2
     ...     def __getitem__(self, index): return np.ones((2, 3), "float32"), np.zeros(2, "float32")
-    >>> get_tf_dataset = pydataset_read_by_index(lambda adapter: "Keras' dataset")
-    >>> get_tf_dataset(PyDatasetAdapter(Batches()))
-    "Keras' dataset"
+    >>> get_tf_dataset = pydataset_read_by_index(lambda adapter: tf.data.Dataset.range(2))
+    >>> [int(value) for value in get_tf_dataset(PyDatasetAdapter(Batches()))]
+    [0, 1]
     """
     @functools.wraps(original)
     def get_tf_dataset(self, *args, **kwargs):
         dataset = original(self, *args, **kwargs)
         if (self.enqueuer is not None or self.py_dataset.num_batches is None
                 or not _PY_DATASETS.get(self.py_dataset, "by_index", False)):
-            return dataset
+            # Keras' `from_generator` of the PyDataset's batches: copied, as a generator's are.
+            return copied_in_graph(dataset)
         return _indexed_dataset(self, self._output_signature)
 
     return get_tf_dataset
@@ -304,8 +374,7 @@ def _indexed_dataset(adapter: Any, signature: Any) -> Any:
     def read(index):
         with LEDGER.data(int(index)):   # the hang report's and straggler table's data phase
             batch = adapter._standardize_batch(adapter.py_dataset[state.order[int(index)]])
-        return [np.asarray(leaf, dtype=spec.dtype.as_numpy_dtype)
-                for leaf, spec in zip(tf.nest.flatten(batch), specs)]
+        return [owned_copy(leaf, spec.dtype.as_numpy_dtype) for leaf, spec in zip(tf.nest.flatten(batch), specs)]
 
     def load(index):
         tensors = tf.py_function(read, [index], [spec.dtype for spec in specs])

@@ -140,6 +140,11 @@ def patch_table(backend: Any) -> PatchTable:
                                 "on CPU, chief-only predict and lost peers need the whole job",
                    parameters=("x", "verbose"))
              for method in ("fit", "evaluate", "predict")]
+    rows.append(Patch(name="tf-predict-on-batch-wrapper", target=f"{_TRAINER}:TensorFlowTrainer.predict_on_batch",
+                      replacement=trainer.trainer_method("predict_on_batch", backend),
+                      works_around="Keras runs predict_on_batch's whole batch on every replica and "
+                                   "concatenates the copies: N × the rows on N workers",
+                      parameters=("x",)))
     rows += [
         Patch(name="tf-row-weighted-steps", target=backend.strategy, attribute="run",
               replacement=weighting.run,
@@ -175,12 +180,19 @@ def patch_table(backend: Any) -> PatchTable:
                            "and all-reduces inside a tf.cond: mixed_float16 hangs across workers "
                            "in the first step",
               parameters=("grads", "trainable_variables")),
+        Patch(name="tf-generator-batches-copied",
+              target="keras.src.trainers.data_adapters.generator_data_adapter:GeneratorDataAdapter.get_tf_dataset",
+              replacement=data.copy_python_batches,
+              works_around="TF wraps the NumPy batches a generator yields without copying and a "
+                           "kernel may write into them: with several workers the user's arrays "
+                           "(views yielded by the generator) were overwritten during fit"),
         Patch(name="tf-pydataset-read-by-index",
               target="keras.src.trainers.data_adapters.py_dataset_adapter:PyDatasetAdapter.get_tf_dataset",
               replacement=data.pydataset_read_by_index,
               works_around="Keras reads a PyDataset through one Python generator per epoch in "
                            "TF's threads; a shuffled one sometimes trained the second epoch on "
-                           "other batches than one process on 2 workers"),
+                           "other batches than one process on 2 workers, and TF may write into the "
+                           "batches it yields (copied where Keras' path stays)"),
         Patch(name="tf-pydataset-order-at-epoch-begin",
               target="keras.src.trainers.data_adapters.py_dataset_adapter:PyDatasetAdapter.on_epoch_begin",
               replacement=data.pydataset_order_at_epoch_begin,

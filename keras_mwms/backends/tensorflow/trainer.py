@@ -12,7 +12,9 @@ backend's patch table, see `keras_mwms.backends.tensorflow.patches`):
   batch (`keras_mwms.backends.policy.check_same_rows`, one collective before step 1);
 * `AutoShardPolicy.OFF` datasets run their full length (`data.distribute_unsharded_dataset`);
 * `jit_compile=True` on CPU workers trains unjitted (TF's XLA has no CPU collectives);
-* `predict` runs on each worker alone, so a chief-only `predict` cannot hang the peers;
+* `predict` runs on each worker alone, so a chief-only `predict` cannot hang the peers, and so
+  does `predict_on_batch` (Keras concatenated every replica's copy of the whole batch: N × the
+  rows on N workers);
 * fit/evaluate steps are row-weighted (`gradients.RowWeighting.keras_loop`), and TF's
   lost-peer errors become `keras_mwms.WorkerLostError` naming the lost workers;
 * `TF_CONFIG` drift since the strategy was created is warned about.
@@ -49,7 +51,8 @@ _local_predict_functions = ObjectState()   # model -> its predict function witho
 
 
 def trainer_method(method_name: str, backend: Any) -> Callable[[Callable], Callable]:
-    """The patch replacement factory for `TensorFlowTrainer.<method_name>` (fit/evaluate/predict).
+    """The patch replacement factory for `TensorFlowTrainer.<method_name>` (fit/evaluate/predict,
+    predict_on_batch).
 
     The wrapper forwards `*args, **kwargs`; it binds them to the original's signature only to
     read and adjust named arguments (`x`, `verbose`).
@@ -61,14 +64,17 @@ def trainer_method(method_name: str, backend: Any) -> Callable[[Callable], Calla
         def method(model, *args, **kwargs):
             bound = signature.bind(model, *args, **kwargs)
             ours = backend is not None and backend.uses(model)
-            if method_name == "predict" and ours and backend.num_workers > 1:
+            # predict enters no collective, so one worker may call it alone; predict_on_batch
+            # under the strategy runs the whole batch on every replica and concatenates the copies.
+            if ours and ((method_name == "predict" and backend.num_workers > 1)
+                         or (method_name == "predict_on_batch" and backend.num_replicas_in_sync > 1)):
                 _prepare_call(backend, model, method_name, bound)
                 return _predict_on_this_worker(model, original, bound)
             try:
                 # The entry's collectives (agreed seeds, row checks) fail like the steps'.
                 _prepare_call(backend, model, method_name, bound)
-                in_keras_loop = (backend.row_weighting.keras_loop(model) if ours and method_name != "predict"
-                                 else contextlib.nullcontext())
+                in_keras_loop = (backend.row_weighting.keras_loop(model)
+                                 if ours and method_name in ("fit", "evaluate") else contextlib.nullcontext())
                 with in_keras_loop:
                     return original(*bound.args, **bound.kwargs)
             except Exception as error:
@@ -98,7 +104,7 @@ def _prepare_call(backend: Any, model: Any, method: str, bound: inspect.BoundArg
                 "keras_mwms strategy.scope(). Create the model (and compile it) under "
                 "`with strategy.scope():` to train on all workers.", stacklevel=3)
         return
-    if not backend.is_chief:
+    if not backend.is_chief and "verbose" in bound.signature.parameters:
         # The chief's progress bar and epoch lines are the job's (logs are global): N identical
         # copies would interleave in one log.
         arguments["verbose"] = 0
@@ -120,13 +126,6 @@ def _prepare_call(backend: Any, model: Any, method: str, bound: inspect.BoundArg
                               batch_size=arguments.get("batch_size"))
     if method == "fit":
         _resumable_order(backend, model, arguments)
-    if method == "fit" and inspect.isgenerator(x):
-        warnings.warn(
-            "keras_mwms (TensorFlow): model.fit() on a Python generator with several workers "
-            "can intermittently lose batches (TF's prefetching iterators share the one "
-            "generator; seen in a few runs of the test suite, never in the row-count "
-            "checks). Wrap the data in a keras.utils.PyDataset or a tf.data.Dataset for "
-            "exact results.", stacklevel=3)
     if model.jit_compile and backend.gpu_count == 0:
         _compile_without_xla(model)
     if getattr(model, "steps_per_execution", 1) > 1:
@@ -135,7 +134,7 @@ def _prepare_call(backend: Any, model: Any, method: str, bound: inspect.BoundArg
             "supported on a multi-worker TensorFlow strategy with Keras 3.15: Keras' multi-step "
             "loop puts collectives inside tf.cond/tf.while_loop, which fails with 'You must feed "
             "a value for placeholder tensor'. Compile with steps_per_execution=1.")
-    if unsharded and method != "predict":
+    if unsharded and method in ("fit", "evaluate"):
         arguments["x"] = data.distribute_unsharded_dataset(backend, x, f"model.{method}()")
 
 
