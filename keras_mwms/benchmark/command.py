@@ -51,7 +51,8 @@ def build_parser(prog: str = "python -m keras_mwms.benchmark") -> argparse.Argum
         epilog="Examples: %(prog)s --quick   |   %(prog)s allreduce --backends torch --workers 2   |   "
                "%(prog)s fit --width 1024 --depth 4 --out build/bench   |   gradient compression over tc-shaped "
                "links (root): %(prog)s compression --link 1gbit,100mbit   |   gradient accumulation K=4 vs K=1: "
-               "%(prog)s accumulation --k 1,4",
+               "%(prog)s accumulation --k 1,4   |   BatchNormalization's global moments vs per-worker: "
+               "%(prog)s batchnorm",
     )
     parser.add_argument("what", nargs="?", default="all", choices=sorted(SECTIONS),
                         help="which measurements (default all)")
@@ -111,6 +112,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m keras_mwms.be
         from keras_mwms.benchmark import accumulation
 
         return accumulation.main(argv[1:], prog)
+    if argv[:1] == ["batchnorm"]:   # its own gangs: global against per-worker BatchNormalization moments
+        from keras_mwms.benchmark import batch_norm
+
+        return batch_norm.main(argv[1:], prog)
     if argv[:1] == ["compression"]:   # its own gangs, across two shaped network namespaces
         from keras_mwms.benchmark import compression
 
