@@ -7,17 +7,18 @@ shard, as tf.distribute does, with no extra collective. Per backend one gang of 
 localhost fits the same MLP (a BatchNormalization after every hidden Dense) under both
 choices, alternating over the repeats in the same processes, and prints per choice:
 milliseconds per step (best repeat), the cost over per-worker statistics and the collectives
-per step the ledger counted (TensorFlow's run inside the step's `tf.function`: "in-graph").
+per step the ledger counted (torch counts the forward all-reduces, their backward twins run
+inside autograd; TensorFlow's run inside the step's `tf.function` and JAX's inside XLA's step).
 
     python -m keras_mwms.benchmark batchnorm --backends torch,jax
 
 Example (the table rows of one worker's measurements):
 
 >>> row = {"statistics": "global", "steps": 40, "seconds_per_step": 0.012, "batch_norm_layers": 3,
-...        "collectives": {"gradient all-reduce": 40, "synchronized BatchNormalization all-reduce": 240}}
+...        "collectives": {"gradient all-reduce": 40, "BatchNormalization all-reduce": 120}}
 >>> rows_for("torch", [dict(row, statistics="per_worker", seconds_per_step=0.010,
 ...                         collectives={"gradient all-reduce": 40}), row])[1]
-['torch', 'global', 3, 12.0, '+2.0 ms (1.20x)', '7.00']
+['torch', 'global', 3, 12.0, '+2.0 ms (1.20x)', '4.00']
 """
 
 from __future__ import annotations

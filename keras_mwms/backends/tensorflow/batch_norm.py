@@ -12,9 +12,9 @@ global but issues three all-reduces per layer.
   for `synchronized=True` and, by default, for an ordinary layer
   (`policy.global_batch_norm_moments`).
 * `average_moving_statistics`: with `CommunicationOptions(batch_norm_statistics="per_worker")`
-  each replica normalizes over its shard (tf.distribute's behaviour), and after the layer's own
-  update its moving statistics are averaged across replicas, weighted by rows, so every worker
-  keeps the same.
+  each replica normalizes over its shard (tf.distribute's behaviour; `finite_when_empty` keeps
+  an empty shard from turning every weight NaN), and after the layer's own update its moving
+  statistics are averaged across replicas, weighted by rows, so every worker keeps the same.
 
 Example (outside a distribution strategy: plain moments, no collective):
 
@@ -65,6 +65,19 @@ def global_moments(inputs: Any, axes: tuple) -> tuple:
         mean = tf.cast(tf.clip_by_value(mean, dtype.min, dtype.max), dtype)
         variance = tf.cast(tf.clip_by_value(variance, dtype.min, dtype.max), dtype)
     return mean, variance
+
+
+def finite_when_empty(moments: tuple, inputs: Any) -> tuple:
+    """Per-worker `moments`, with 0 and 1 on a replica whose shard is empty.
+
+    Keras' moments of no rows are NaN, and the NaN reaches the gradients of gamma and beta
+    (`Σ dy · mean` over no rows is 0 · NaN), so one empty shard made every weight NaN.
+    """
+    import tensorflow as tf
+
+    has_rows = tf.size(inputs) > 0
+    mean, variance = moments
+    return (tf.where(has_rows, mean, tf.zeros_like(mean)), tf.where(has_rows, variance, tf.ones_like(variance)))
 
 
 def average_moving_statistics(layer: Any, inputs: Any) -> None:

@@ -127,10 +127,11 @@ def _global_batch_norm_moments(original: Callable) -> Callable:
     def _moments(self, *args, **kwargs):
         backend = active.active_backend()
         values = signature.bind(self, *args, **kwargs).arguments
-        if (backend is None or values["mask"] is not None or not batch_norm.in_multi_replica_step()
-                or not policy.global_batch_norm_moments(self, backend.options)):
+        if backend is None or values["mask"] is not None or not batch_norm.in_multi_replica_step():
             return original(self, *args, **kwargs)
-        return batch_norm.global_moments(values["inputs"], tuple(self._reduction_axes))
+        if policy.global_batch_norm_moments(self, backend.options):
+            return batch_norm.global_moments(values["inputs"], tuple(self._reduction_axes))
+        return batch_norm.finite_when_empty(original(self, *args, **kwargs), values["inputs"])
 
     return _moments
 

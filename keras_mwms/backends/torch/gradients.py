@@ -31,6 +31,7 @@ from keras_mwms.backends import policy
 from keras_mwms.backends.compression import WIRE, wire_dtype
 from keras_mwms.backends.torch import accumulation, metrics
 from keras_mwms.backends.torch.state import STATE
+from keras_mwms.diagnostics import LEDGER
 
 if TYPE_CHECKING:
     from keras_mwms.backends.torch.engine import TorchEngine
@@ -304,5 +305,6 @@ def _differentiable_all_reduce(backend: TorchEngine, tensor):
         return tensor
     from torch.distributed.nn import functional as distributed_functional
 
-    with backend.guarded("synchronized BatchNormalization all-reduce"):
+    what = "BatchNormalization all-reduce"   # its backward all-reduce runs inside autograd
+    with LEDGER.collective(what, tensor.numel() * tensor.element_size()), backend.guarded(what):
         return distributed_functional.all_reduce(tensor)
