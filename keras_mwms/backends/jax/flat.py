@@ -495,4 +495,5 @@ def warn_flat_batch_norm(model, reason: str) -> None:
     warnings.warn(f"jax_path='flat' (KERAS_MWMS_JAX_PATH=flat): {type(model).__name__} runs on the "
                   f"flat path although {reason}; BatchNormalization uses per-worker batch statistics "
                   "(moving statistics stay identical), so results differ from one process. Use "
-                  "jax_path='auto' (KERAS_MWMS_JAX_PATH=auto) for global statistics.", stacklevel=4)
+                  "jax_path='auto' (KERAS_MWMS_JAX_PATH=auto) for global statistics, or "
+                  "batch_norm_statistics='per_worker' to choose per-worker statistics.", stacklevel=4)
