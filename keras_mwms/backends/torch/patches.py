@@ -155,9 +155,11 @@ def _global_moments(original: Callable) -> Callable:
     def _moments(self, *args, **kwargs):
         backend = active.active_backend()
         # synchronized=True: global wherever the strategy is active (a custom loop too); an
-        # ordinary layer: global inside a distributed train step, unless per-worker was chosen.
+        # ordinary layer: global inside a distributed train step, unless per-worker was chosen
+        # (one worker keeps Keras' own moments, bit for bit).
         wanted = backend is not None and (self.synchronized or (
-            backend.in_train_step and policy.global_batch_norm_moments(self, backend.options)))
+            backend.in_train_step and backend.distributed
+            and policy.global_batch_norm_moments(self, backend.options)))
         if not wanted:
             return original(self, *args, **kwargs)
         values = signature.bind(self, *args, **kwargs).arguments
