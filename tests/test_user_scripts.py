@@ -4,7 +4,8 @@
 weights, validation split, EarlyStopping + ReduceLROnPlateau, chief-only save and reload,
 Embedding + LSTM, clipnorm / clipvalue / global_clipnorm, weight decay, EMA, gradient
 accumulation, loss scaling, the custom `train_step` of each backend's Keras guide, generators,
-shuffled PyDatasets, evaluate/predict on sizes that do not divide the batch, ...) in one gang
+shuffled PyDatasets, evaluate/predict on sizes that do not divide the batch, BatchNormalization
+by default, per worker and in keras.io's transfer-learning recipe, ...) in one gang
 of 2 workers per backend, and once more with `--plain` in one process of plain Keras (no
 keras_mwms imported), and once as one keras_mwms worker without TF_CONFIG (which must behave
 like plain Keras). Every assertion reads the dumps of those three runs.
