@@ -26,6 +26,8 @@ TORCH_FUSED_ADAM_ENV = "KERAS_MWMS_TORCH_FUSED_ADAM"
 HANG_REPORT_ENV = "KERAS_MWMS_HANG_REPORT_SECONDS"
 COMPRESSION_ENV = "KERAS_MWMS_COMPRESSION"
 COMPRESSIONS = ("bf16", "fp16")
+BATCH_NORM_STATISTICS_ENV = "KERAS_MWMS_BATCH_NORM_STATISTICS"
+BATCH_NORM_STATISTICS = ("global", "per_worker")
 JAX_PATHS = ("auto", "flat", "dataparallel")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -102,11 +104,26 @@ class CommunicationOptions:
             float32); row counts, metric states and BatchNormalization statistics stay exact
             (`keras_mwms.backends.compression`). `KERAS_MWMS_COMPRESSION` (`bf16`, `fp16`, or
             `none`) overrides it.
+        batch_norm_statistics: what a `BatchNormalization` layer in training mode normalizes
+            over when it was left at `synchronized=False`. `"global"` (the default): the moments
+            of the whole global batch, combined across workers and weighted by rows, so N
+            workers train exactly like one process (one small all-reduce per layer in the
+            forward pass and one in the backward pass). `"per_worker"`: each worker normalizes
+            over its own shard, as `tf.distribute` does with `synchronized=False` (no extra
+            collective, but results depend on the worker count); the moving statistics are
+            still averaged across workers, weighted by rows, so every worker keeps the same.
+            `synchronized=True` always means global moments. None (the default) reads
+            `KERAS_MWMS_BATCH_NORM_STATISTICS`, else `"global"`.
 
     Example of compression:
 
     >>> CommunicationOptions(compression="bf16").compression
     'bf16'
+
+    Example of per-worker BatchNormalization statistics (speed over equivalence):
+
+    >>> CommunicationOptions(batch_norm_statistics="per_worker").batch_norm_statistics
+    'per_worker'
     """
 
     bytes_per_pack: int = 0
@@ -119,6 +136,7 @@ class CommunicationOptions:
     torch_fused_adam: bool = False
     hang_report_seconds: float | None = 60.0
     compression: str | None = None
+    batch_norm_statistics: str | None = None
 
     def __post_init__(self) -> None:
         implementation = self.implementation
@@ -177,6 +195,7 @@ class CommunicationOptions:
                              f"{', '.join(JAX_PATHS)}.")
         object.__setattr__(self, "jax_path", str(path).lower())
         self._apply_compression()
+        self._apply_batch_norm_statistics()
         for name, env in (("torch_overlap", TORCH_OVERLAP_ENV), ("torch_fused_adam", TORCH_FUSED_ADAM_ENV)):
             text = os.environ.get(env, "").strip().lower()
             if text in _TRUE:
@@ -200,3 +219,14 @@ class CommunicationOptions:
                              f"'fp16' (e.g. CommunicationOptions(compression='bf16'), or "
                              f"{COMPRESSION_ENV}=bf16; {COMPRESSION_ENV}=none turns it off).")
         object.__setattr__(self, "compression", value.lower())
+
+    def _apply_batch_norm_statistics(self) -> None:
+        """Validates `batch_norm_statistics`; left None, `KERAS_MWMS_BATCH_NORM_STATISTICS` fills it."""
+        value, source = self.batch_norm_statistics, "batch_norm_statistics"
+        if value is None:
+            value, source = os.environ.get(BATCH_NORM_STATISTICS_ENV, "").strip() or "global", BATCH_NORM_STATISTICS_ENV
+        if not isinstance(value, str) or value.lower().replace("-", "_") not in BATCH_NORM_STATISTICS:
+            raise ValueError(f"{source}={value!r} is not a BatchNormalization statistics choice; use "
+                             f"'global' (moments of the global batch, as one process) or 'per_worker' "
+                             f"(each worker's shard, as tf.distribute with synchronized=False).")
+        object.__setattr__(self, "batch_norm_statistics", value.lower().replace("-", "_"))

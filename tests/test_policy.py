@@ -25,7 +25,7 @@ from keras_mwms.backends import policy
 from keras_mwms.backends.base import Backend
 from keras_mwms.backends.patches import ANY_KERAS, Patch, PatchTable
 from keras_mwms.cluster import SimpleClusterResolver
-from keras_mwms.communication import CommunicationOptions
+from keras_mwms.communication import BATCH_NORM_STATISTICS_ENV, CommunicationOptions
 
 WAIT_SECONDS = 10.0
 
@@ -268,3 +268,20 @@ def test_one_rule_picks_ring_or_nccl(requested, gpus, nccl_usable, expected, war
     assert bool(messages) == warns, messages
     if warns:
         assert "Fake collectives use RING (sockets)" in messages[0] and "NCCL was requested" in messages[0]
+
+
+def test_batch_norm_moments_are_global_unless_per_worker_is_chosen(monkeypatch):
+    """One rule for every backend; the environment variable only fills an argument left None."""
+    monkeypatch.delenv(BATCH_NORM_STATISTICS_ENV, raising=False)
+    ordinary, synchronized = types.SimpleNamespace(synchronized=False), types.SimpleNamespace(synchronized=True)
+    default, per_worker = CommunicationOptions(), CommunicationOptions(batch_norm_statistics="per-worker")
+    assert (default.batch_norm_statistics, per_worker.batch_norm_statistics) == ("global", "per_worker")
+    assert policy.global_batch_norm_moments(ordinary, default)
+    assert not policy.global_batch_norm_moments(ordinary, per_worker)
+    assert policy.global_batch_norm_moments(synchronized, per_worker)
+    monkeypatch.setenv(BATCH_NORM_STATISTICS_ENV, "per_worker")
+    assert CommunicationOptions().batch_norm_statistics == "per_worker"
+    assert CommunicationOptions(batch_norm_statistics="global").batch_norm_statistics == "global"
+    monkeypatch.setenv(BATCH_NORM_STATISTICS_ENV, "local")
+    with pytest.raises(ValueError, match=f"{BATCH_NORM_STATISTICS_ENV}='local' is not .*'per_worker'"):
+        CommunicationOptions()

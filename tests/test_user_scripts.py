@@ -5,7 +5,9 @@ weights, validation split, EarlyStopping + ReduceLROnPlateau, chief-only save an
 Embedding + LSTM, clipnorm / clipvalue / global_clipnorm, weight decay, EMA, gradient
 accumulation, loss scaling, the custom `train_step` of each backend's Keras guide, generators
 (and later fits on the same arrays), `*_on_batch` with sample and class weights, a
-`timeseries_dataset_from_array` LSTM, shuffled PyDatasets, evaluate/predict on sizes that do not divide the batch, ...) in one gang
+`timeseries_dataset_from_array` LSTM, shuffled PyDatasets, evaluate/predict on sizes that do not
+divide the batch, BatchNormalization by default, per worker and in keras.io's transfer-learning
+recipe, ...) in one gang
 of 2 workers per backend, and once more with `--plain` in one process of plain Keras (no
 keras_mwms imported), and once as one keras_mwms worker without TF_CONFIG (which must behave
 like plain Keras). Every assertion reads the dumps of those three runs.
@@ -42,6 +44,8 @@ NOT_COMPARED_WITH_ONE_PROCESS = {
     # whole batch, so a step one process finds inf may be finite on workers (or the reverse),
     # measured on all three backends. Workers still agree (weights, loss scale, logs).
     "mixed_float16_overflow",
+    # Each worker normalizes over its own shard, by the user's choice (speed over equivalence).
+    "batchnorm_per_worker",
 }
 # float16/bfloat16 compute: weights and logs differ from one process by float16 rounding of
 # shard-sized sums (measured: mixed_float16 ≤ 4e-5, mixed_bfloat16 ≤ 3e-3).
@@ -52,7 +56,8 @@ MIXED_PRECISION_TOLERANCE = {"mixed_float16": 5e-4, "mixed_bfloat16": 2e-2}
 # replica's loss so that they agree; torch does not yet.)
 KNOWN_LOG_DIFFERENCES = {("torch", "custom_train_step"): {"loss"}}
 # Variants run a second time on a gang of 3 workers (a global batch of 16 splits 6/5/5).
-THREE_WORKER_VARIANTS = ["sgd_arrays", "generator_then_tfdata", "on_batch_loops"]
+THREE_WORKER_VARIANTS = ["sgd_arrays", "generator_then_tfdata", "on_batch_loops", "batchnorm_smallest",
+                         "batchnorm_default", "batchnorm_per_worker", "batchnorm_transfer_learning"]
 BACKENDS = [pytest.param(name, marks=getattr(pytest.mark, name)) for name in ("tensorflow", "jax", "torch")]
 
 
@@ -326,3 +331,42 @@ def test_mixed_float16_keeps_one_loss_scale_history(runs):
     overflow = runs.result("mixed_float16_overflow", 0)["loss_scale"]
     assert overflow[0][1] == 0 and overflow[-1][0] < 2.0 ** 20, f"no step overflowed: {overflow}"
     assert runs.result("mixed_float16", 0)["loss_scale"] == runs.reference("mixed_float16")["loss_scale"]
+
+
+def _assert_one_set_of_batch_norm_statistics(runs: Runs, variant: str, workers: int) -> None:
+    results = [runs.result(variant, worker) for worker in range(workers)]
+    for result in results:
+        _no_error(result, f"{runs.backend} {variant}")
+        for key in ("moving_mean", "moving_variance"):
+            assert result[key] == results[0][key], f"{runs.backend} {variant}: {key} differs between workers"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [2, 3])
+def test_batch_norm_moving_statistics_and_predictions_are_one_process(runs, three_workers, workers):
+    """Issue 31, item 1: Dense(4) -> BatchNormalization() -> Dense(1), one epoch of 64 rows in
+    global batches of 16 (6/5/5 on 3 workers): every worker ends with the same moving
+    statistics and predictions, those of one process of plain Keras."""
+    gang = runs if workers == 2 else three_workers
+    _assert_one_set_of_batch_norm_statistics(gang, "batchnorm_smallest", workers)
+    reference = runs.reference("batchnorm_smallest")
+    for worker in range(workers):
+        result = gang.result("batchnorm_smallest", worker)
+        for key in ("moving_mean", "moving_variance", "predict"):
+            np.testing.assert_allclose(result[key], reference[key], rtol=0, atol=WEIGHT_TOLERANCE,
+                                       err_msg=f"{runs.backend} worker {worker}/{workers}: {key}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [2, 3])
+def test_per_worker_batch_norm_statistics_are_an_explicit_choice(runs, three_workers, workers):
+    """CommunicationOptions(batch_norm_statistics="per_worker"): workers normalize over their
+    shards, so they leave one process (the option does something), yet keep one set of moving
+    statistics and bit-identical weights."""
+    gang = runs if workers == 2 else three_workers
+    _assert_one_set_of_batch_norm_statistics(gang, "batchnorm_per_worker", workers)
+    _assert_matches_plain_keras(gang, "batchnorm_per_worker", workers)
+    delta = common.max_weight_difference(gang.weights("batchnorm_per_worker", 0),
+                                         runs.reference_weights("batchnorm_default"))
+    print(f"{runs.backend} per-worker BatchNormalization, {workers} workers: max|Δw| vs one process = {delta:.3g}")
+    assert delta > 100 * WEIGHT_TOLERANCE, f"{runs.backend}: per-worker statistics changed nothing ({delta:.3g})"

@@ -17,6 +17,10 @@ collectives lives here and imports no ML framework:
 - **float16 overflow** — `float16_gradients`: which summed gradients one process would have
   computed in float16, so that a sum beyond float16's range skips the step under a
   LossScaleOptimizer, as one process's inf would (`FLOAT16_OVERFLOW`);
+- **BatchNormalization** — `global_batch_norm_moments`: whether a layer in training mode
+  normalizes over the global batch (the default, one process's result) or over each worker's
+  shard (`CommunicationOptions(batch_norm_statistics="per_worker")`); each backend computes
+  the moments its way, and keeps moving statistics identical on every worker either way;
 - **the collective engine** — `choose_implementation`: which of RING or NCCL a request
   (AUTO / RING / NCCL) gets on this worker; each backend maps the answer to its engine name;
 - **lost workers** — `worker_label`, `lost_worker_message` and `raise_worker_lost`: one message
@@ -353,6 +357,27 @@ def accumulation_steps(optimizer: Any) -> int:
     if not steps or type(optimizer).__name__ in ("LossScaleOptimizer", "MultiOptimizer"):
         return 0
     return int(steps)
+
+
+def global_batch_norm_moments(layer: Any, options: Any) -> bool:
+    """Whether BatchNormalization `layer` in training mode normalizes over the global batch.
+
+    Yes for `synchronized=True`, and for an ordinary layer unless the user chose per-worker
+    statistics (`CommunicationOptions.batch_norm_statistics="per_worker"`): the moments of the
+    global batch are what one process computes.
+
+    Example:
+
+    >>> from types import SimpleNamespace as Object
+    >>> ordinary = Object(synchronized=False)
+    >>> global_batch_norm_moments(ordinary, Object(batch_norm_statistics="global"))
+    True
+    >>> global_batch_norm_moments(ordinary, Object(batch_norm_statistics="per_worker"))
+    False
+    >>> global_batch_norm_moments(Object(synchronized=True), Object(batch_norm_statistics="per_worker"))
+    True
+    """
+    return bool(getattr(layer, "synchronized", False)) or options.batch_norm_statistics != "per_worker"
 
 
 def choose_implementation(requested: Any, gpu_count: int, backend: str, ring_engine: str,

@@ -44,8 +44,9 @@ HEADERS = ["backend", "K", "ms/micro-step", "speed-up vs K=1", "gradient all-red
            "collectives/micro-step", "engine bytes/micro-step"]
 
 
-def run_gang(backend: str, settings: dict, out: Path, timeout: float) -> list[dict]:
-    """One 2-worker gang on localhost; each worker's rows (raises with the logs on failure)."""
+def run_gang(backend: str, settings: dict, out: Path, timeout: float,
+             worker_module: str = "keras_mwms.benchmark.accumulation_worker", what: str = "accumulation") -> list[dict]:
+    """One 2-worker gang of `worker_module` on localhost; each worker's rows (raises with the logs on failure)."""
     workers = [f"localhost:{port}" for port in find_free_ports(2)]
     processes, logs = [], []
     try:
@@ -58,7 +59,7 @@ def run_gang(backend: str, settings: dict, out: Path, timeout: float) -> list[di
             log = open(out / f"{backend}.worker{index}.log", "w")
             logs.append(log)
             processes.append(subprocess.Popen(
-                [sys.executable, "-m", "keras_mwms.benchmark.accumulation_worker",
+                [sys.executable, "-m", worker_module,
                  str(out / f"{backend}.worker{index}.json"), str(settings_path)],
                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         deadline = time.monotonic() + timeout
@@ -78,7 +79,7 @@ def run_gang(backend: str, settings: dict, out: Path, timeout: float) -> list[di
         tails = "\n".join(f"--- worker {index} (exit {code}):\n"
                           + (out / f"{backend}.worker{index}.log").read_text()[-3000:]
                           for index, code in enumerate(codes))
-        raise RuntimeError(f"{backend} accumulation gang failed or ran past {timeout:.0f} s:\n{tails}")
+        raise RuntimeError(f"{backend} {what} gang failed or ran past {timeout:.0f} s:\n{tails}")
     return [json.loads((out / f"{backend}.worker{index}.json").read_text()) for index in range(2)]
 
 

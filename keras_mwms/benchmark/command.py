@@ -13,6 +13,7 @@ SECTIONS = {"all": ("allreduce", "fit"), "allreduce": ("allreduce",), "fit": ("f
 # Measurements with their own gangs and options (`keras-mwms benchmark NAME --help`).
 OWN_COMMANDS = {"accumulation": "gradient accumulation K=4 against K=1",
                 "compression": "gradient compression over tc-shaped links (root)",
+                "batchnorm": "BatchNormalization's global moments against per-worker statistics",
                 "orchestrators": "torch steps/s started by the launcher, srun and mpirun"}
 
 
@@ -55,7 +56,8 @@ def build_parser(prog: str = "python -m keras_mwms.benchmark") -> argparse.Argum
         epilog="Examples: %(prog)s --quick   |   %(prog)s allreduce --backends torch --workers 2   |   "
                "%(prog)s fit --width 1024 --depth 4 --out build/bench   |   gradient compression over tc-shaped "
                "links (root): %(prog)s compression --link 1gbit,100mbit   |   gradient accumulation K=4 vs K=1: "
-               "%(prog)s accumulation --k 1,4",
+               "%(prog)s accumulation --k 1,4   |   BatchNormalization's global moments vs per-worker: "
+               "%(prog)s batchnorm",
     )
     parser.add_argument("what", nargs="?", default="all", choices=sorted(SECTIONS) + sorted(OWN_COMMANDS),
                         help="which measurements (default all); "

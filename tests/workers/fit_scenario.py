@@ -43,7 +43,8 @@ FLAGS.add_argument("--rows", type=int, default=256, help="training rows")
 FLAGS.add_argument("--batch-size", type=int, default=32, help="global batch size")
 FLAGS.add_argument("--shuffle", action="store_true", help="shuffle the rows (batches of a PyDataset) each epoch")
 FLAGS.add_argument("--batch-norm", choices=["synchronized", "local"], default=None,
-                   help="add BatchNormalization with global (synchronized) or per-worker statistics")
+                   help="add BatchNormalization(synchronized=True), or an ordinary one (global moments unless "
+                        "CommunicationOptions.batch_norm_statistics='per_worker')")
 FLAGS.add_argument("--dropout", type=float, default=0.0, help="add Dropout with this rate")
 FLAGS.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
 FLAGS.add_argument("--learning-rate", type=float, default=None, help="default: 0.05 for SGD, 1e-2 for Adam")

@@ -595,6 +595,82 @@ def variant_batch_smaller_than_workers():
     return model, {"history": fit_arrays(model, x, y, batch_size=1, epochs=1)}
 
 
+def _moving_statistics(model) -> dict:
+    layers = [layer for layer in model._flatten_layers() if isinstance(layer, keras.layers.BatchNormalization)]
+    return {"moving_mean": [keras.ops.convert_to_numpy(layer.moving_mean).tolist() for layer in layers],
+            "moving_variance": [keras.ops.convert_to_numpy(layer.moving_variance).tolist() for layer in layers]}
+
+
+def variant_batchnorm_smallest():
+    """Issue 31's smallest script: Dense(4) -> BatchNormalization() -> Dense(1), 64 rows, one
+    epoch in global batches of 16; every worker's moving statistics and predictions."""
+    x, y = regression(64)
+    with scope():
+        model = keras.Sequential([keras.Input((common.NUM_FEATURES,)), keras.layers.Dense(4),
+                                  keras.layers.BatchNormalization(), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    history = fit_arrays(model, x, y, epochs=1)
+    return model, {"history": history, **_moving_statistics(model),
+                   "predict": model.predict(x[:8], verbose=0).tolist()}
+
+
+def variant_batchnorm_default():
+    """An ordinary BatchNormalization (synchronized left False), classification with accuracy."""
+    x, y = classification()
+    with scope():
+        model = common.mlp(common.NUM_CLASSES, batch_norm=True, synchronized=False)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), metrics=["accuracy"],
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = fit_arrays(model, x, y)
+    return model, {"history": history, **_moving_statistics(model)}
+
+
+def variant_batchnorm_per_worker():
+    """`batchnorm_default` with CommunicationOptions(batch_norm_statistics="per_worker"): each
+    worker normalizes over its shard (not one process's result), one set of moving statistics."""
+    if strategy is None:
+        return variant_batchnorm_default()
+    import dataclasses
+
+    default = strategy.backend.options
+    strategy.backend.options = dataclasses.replace(default, batch_norm_statistics="per_worker")
+    try:
+        return variant_batchnorm_default()
+    finally:
+        strategy.backend.options = default
+
+
+def variant_batchnorm_transfer_learning():
+    """keras.io's transfer-learning recipe on a base with BatchNormalization: pretrain the base,
+    freeze it, call it with training=False under a new head (with its own BatchNormalization),
+    fit; unfreeze, recompile inside the scope with a low learning rate, fit again."""
+    x, y = classification()
+    with scope():
+        base = keras.Sequential([keras.Input((common.NUM_FEATURES,)), keras.layers.Dense(16, activation="relu"),
+                                 keras.layers.BatchNormalization(), keras.layers.Dense(8, activation="relu")],
+                                name="base")
+        pretraining = keras.Sequential([base, keras.layers.Dense(1)])
+        pretraining.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    history = {"pretrain_loss": fit_arrays(pretraining, x, x[:, :1], epochs=1)["loss"]}
+    base.trainable = False
+    with scope():
+        inputs = keras.Input((common.NUM_FEATURES,))
+        features = keras.layers.BatchNormalization()(base(inputs, training=False))
+        model = keras.Model(inputs, keras.layers.Dense(common.NUM_CLASSES)(features))
+        model.compile(optimizer=keras.optimizers.SGD(0.05), metrics=["accuracy"],
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history["frozen"] = fit_arrays(model, x, y, epochs=1)
+    base.trainable = True
+    with scope():
+        model.compile(optimizer=keras.optimizers.SGD(1e-3), metrics=["accuracy"],
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history["fine_tuned"] = fit_arrays(model, x, y, epochs=1)
+    flat = {f"{phase}_{key}": values for phase, logs in history.items() if isinstance(logs, dict)
+            for key, values in logs.items()}
+    flat["pretrain_loss"] = history["pretrain_loss"]
+    return model, {"history": flat, **_moving_statistics(model)}
+
+
 VARIANTS = {name[len("variant_"):]: function for name, function in sorted(globals().items())
             if name.startswith("variant_")}
 

@@ -233,7 +233,7 @@ class JaxBackend(Backend):
             return self._path
         state = self.models.of(model)
         if getattr(state, "path", None) is None:
-            reason = flat.can_run_flat(model)
+            reason = flat.can_run_flat(model, self.options)
             state.path = flat.choose_path(self.options.jax_path, reason)
             if reason is not None and state.path == flat.FLAT:
                 flat.warn_flat_batch_norm(model, reason)

@@ -64,8 +64,9 @@ def choose_path(requested: str, can_run: str | None) -> str:
     `requested` is `CommunicationOptions.jax_path`; `can_run` is `can_run_flat(model)` (None:
     the flat path reproduces one process exactly).
 
-    * `auto`: the flat path for models it can run exactly (no BatchNormalization, Keras' own
-      `train_step`), the DataParallel path for the others;
+    * `auto`: the flat path for models it can run exactly (Keras' own `train_step`, no
+      BatchNormalization unless per-worker statistics were chosen), the DataParallel path for
+      the others;
     * `flat`: the flat path for every model that keeps Keras' own `train_step`
       (BatchNormalization then uses per-worker batch statistics, as TensorFlow's
       MultiWorkerMirroredStrategy does with `synchronized=False`);
@@ -210,15 +211,21 @@ def split_like(flat: np.ndarray, variables: list) -> list[np.ndarray]:
     return out
 
 
-def can_run_flat(model) -> str | None:
-    """None if the flat path reproduces one process exactly for `model`, else the reason why not."""
+def can_run_flat(model, options: Any = None) -> str | None:
+    """None if the flat path gives what the user asked for `model`, else the reason why not.
+
+    BatchNormalization needs the global batch (the DataParallel path) unless `options` chose
+    per-worker statistics (`CommunicationOptions.batch_norm_statistics="per_worker"`), which
+    the flat path gives, with moving statistics averaged across workers.
+    """
     from keras.src.backend.jax.trainer import JAXTrainer
     from keras.src.layers import BatchNormalization
 
     if type(model).train_step is not JAXTrainer.train_step:
         return "it overrides train_step"
     for layer in model._flatten_layers(include_self=False):
-        if isinstance(layer, BatchNormalization):
+        if isinstance(layer, BatchNormalization) and (
+                options is None or policy.global_batch_norm_moments(layer, options)):
             return "BatchNormalization needs global batch statistics"
     return None
 
@@ -488,4 +495,5 @@ def warn_flat_batch_norm(model, reason: str) -> None:
     warnings.warn(f"jax_path='flat' (KERAS_MWMS_JAX_PATH=flat): {type(model).__name__} runs on the "
                   f"flat path although {reason}; BatchNormalization uses per-worker batch statistics "
                   "(moving statistics stay identical), so results differ from one process. Use "
-                  "jax_path='auto' (KERAS_MWMS_JAX_PATH=auto) for global statistics.", stacklevel=4)
+                  "jax_path='auto' (KERAS_MWMS_JAX_PATH=auto) for global statistics, or "
+                  "batch_norm_statistics='per_worker' to choose per-worker statistics.", stacklevel=4)

@@ -25,11 +25,14 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from keras_mwms import active
+from keras_mwms.backends import policy
 from keras_mwms.backends.patches import ANY_KERAS, Patch, PatchTable
-from keras_mwms.backends.tensorflow import data, trainer
+from keras_mwms.backends.tensorflow import batch_norm, data, trainer
 from keras_mwms.diagnostics.ledger import counted_in_graph
 
 _TRAINER = "keras.src.backend.tensorflow.trainer"
+_BATCH_NORM = "keras.src.layers.normalization.batch_normalization:BatchNormalization"
 
 
 # -- Keras 3.15.1 crash repairs (keras-team/keras#20585) ----------------------------------
@@ -112,6 +115,43 @@ def _counted_train_function(original: Callable) -> Callable:
         return self.train_function if result is not None else None
 
     return make_train_function
+
+
+# -- BatchNormalization across workers (`batch_norm`) --------------------------------------
+
+def _global_batch_norm_moments(original: Callable) -> Callable:
+    """Keras' `BatchNormalization._moments`, over the global batch in a multi-replica step."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _moments(self, *args, **kwargs):
+        backend = active.active_backend()
+        values = signature.bind(self, *args, **kwargs).arguments
+        if backend is None or values["mask"] is not None or not batch_norm.in_multi_replica_step():
+            return original(self, *args, **kwargs)
+        if policy.global_batch_norm_moments(self, backend.options):
+            return batch_norm.global_moments(values["inputs"], tuple(self._reduction_axes))
+        return batch_norm.finite_when_empty(original(self, *args, **kwargs), values["inputs"])
+
+    return _moments
+
+
+def _shared_per_worker_statistics(original: Callable) -> Callable:
+    """Keras' `BatchNormalization.call`; per-worker moments leave one set of moving statistics."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def call(self, *args, **kwargs):
+        outputs = original(self, *args, **kwargs)
+        backend = active.active_backend()
+        values = signature.bind(self, *args, **kwargs).arguments
+        if (backend is not None and values.get("training") and self.trainable
+                and batch_norm.in_multi_replica_step()
+                and not policy.global_batch_norm_moments(self, backend.options)):
+            batch_norm.average_moving_statistics(self, values["inputs"])
+        return outputs
+
+    return call
 
 
 # -- the table ----------------------------------------------------------------------------
@@ -205,6 +245,20 @@ def patch_table(backend: Any) -> PatchTable:
                            "and a multi-device read every step for batches the plain tf.data "
                            "iterator gives unchanged",
               parameters=("distribute_strategy",)),
+        Patch(name="tf-global-batch-norm-moments",
+              target=f"{_BATCH_NORM}._moments",
+              replacement=_global_batch_norm_moments,
+              works_around="BatchNormalization normalizes each replica over its own shard (one "
+                           "process normalizes over the whole batch), and synchronized=True costs "
+                           "three all-reduces per layer: one all-reduce of [sum, sum of squares, rows]",
+              parameters=("inputs", "mask")),
+        Patch(name="tf-batch-norm-per-worker-statistics",
+              target=f"{_BATCH_NORM}.call",
+              replacement=_shared_per_worker_statistics,
+              works_around="with per-worker moments (batch_norm_statistics='per_worker') each "
+                           "worker keeps its own shard's moving statistics: they are averaged "
+                           "across workers, weighted by rows",
+              parameters=("inputs", "training")),
         Patch(name="tf-ledger-train-step",
               target=f"{_TRAINER}:TensorFlowTrainer.make_train_function",
               replacement=_counted_train_function,

@@ -117,6 +117,9 @@ class TorchEngine(Backend):
         # and the weight its loss was multiplied by (set by the optimizer's scale_loss: the
         # rows, or rows / `loss_rows_unit` under a LossScaleOptimizer; None: not weighted).
         self.step_rows = 1
+        # Inside the distributed train step of a model created in the scope: an ordinary
+        # BatchNormalization then computes global moments (`policy.global_batch_norm_moments`).
+        self.in_train_step = False
         self.loss_weight: float | None = None
         self.loss_rows_unit: float | None = None
         # This worker's GPU (or none): decided now, so a worker that cannot tell which GPU is

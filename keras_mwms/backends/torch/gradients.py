@@ -9,8 +9,9 @@ during `backward()` (`keras_mwms.backends.torch.overlap`), the small values ride
 bucket (`StepExtras`) and the step costs the gradient all-reduce only.
 With `CommunicationOptions(compression=...)` the gradients cross in 16 bits
 (`compressed_all_reduce`); the statistics and row counts stay exact.
-`BatchNormalization(synchronized=True)` computes global batch statistics
-(`synchronized_moments`).
+BatchNormalization computes the moments of the global batch (`synchronized_moments`) when
+`synchronized=True` and, by default, inside a distributed train step
+(`policy.global_batch_norm_moments`).
 
 Under a LossScaleOptimizer the weight is `rows / K`, K being the global rows of the fit's first
 step (one scalar all-reduce per fit): per row, the float16 values of the scaled backward are
@@ -30,6 +31,7 @@ from keras_mwms.backends import policy
 from keras_mwms.backends.compression import WIRE, wire_dtype
 from keras_mwms.backends.torch import accumulation, metrics
 from keras_mwms.backends.torch.state import STATE
+from keras_mwms.diagnostics import LEDGER
 
 if TYPE_CHECKING:
     from keras_mwms.backends.torch.engine import TorchEngine
@@ -49,7 +51,7 @@ class StepExtras:
         self.backend = backend
         self.rows = rows
         self.with_metrics = with_metrics
-        self.statistics = unsynchronized_batch_norm_statistics(model)
+        self.statistics = unsynchronized_batch_norm_statistics(model, backend)
         self.metric_count = 0
         self.dtype = weights[0].value.dtype
 
@@ -78,10 +80,13 @@ class StepExtras:
         return total_weight
 
 
-def unsynchronized_batch_norm_statistics(model) -> list:
-    """The moving statistics of the model's trainable, unsynchronized BatchNormalization layers.
+def unsynchronized_batch_norm_statistics(model, backend: TorchEngine) -> list:
+    """The moving statistics of the model's trainable BatchNormalization layers that normalize
+    over each worker's shard (`CommunicationOptions.batch_norm_statistics="per_worker"`).
 
-    Collected once per `fit` (`training.prepare_fit` forgets them: trainable flags may change).
+    Those are averaged across workers, weighted by rows, so they never drift; layers with
+    global moments need nothing (every worker computed the same moments). Collected once per
+    `fit` (`training.prepare_fit` forgets them: trainable flags may change).
     """
     cached = STATE.get(model, "batch_norm_statistics")
     if cached is not None:
@@ -90,7 +95,8 @@ def unsynchronized_batch_norm_statistics(model) -> list:
 
     statistics = []
     for layer in model._flatten_layers(include_self=False):
-        if isinstance(layer, BatchNormalization) and layer.trainable and not layer.synchronized:
+        if (isinstance(layer, BatchNormalization) and layer.trainable
+                and not policy.global_batch_norm_moments(layer, backend.options)):
             statistics += [layer.moving_mean, layer.moving_variance]
     STATE.of(model).batch_norm_statistics = statistics
     return statistics
@@ -142,7 +148,7 @@ def averaged_over_workers(backend: TorchEngine, model, grads: list, variables=No
     has_rows = backend.step_rows > 0
     rows = float(backend.step_rows)
     weight = backend.loss_weight if backend.loss_weight is not None else float(has_rows)
-    statistics = unsynchronized_batch_norm_statistics(model)
+    statistics = unsynchronized_batch_norm_statistics(model, backend)
     reducer = STATE.get(model, "overlap")
     if reducer is not None and reducer.armed:
         # Always finish: its collectives are in flight on every worker.
@@ -299,5 +305,6 @@ def _differentiable_all_reduce(backend: TorchEngine, tensor):
         return tensor
     from torch.distributed.nn import functional as distributed_functional
 
-    with backend.guarded("synchronized BatchNormalization all-reduce"):
+    what = "BatchNormalization all-reduce"   # its backward all-reduce runs inside autograd
+    with LEDGER.collective(what, tensor.numel() * tensor.element_size()), backend.guarded(what):
         return distributed_functional.all_reduce(tensor)

@@ -18,7 +18,8 @@ What a model created in the scope gets:
   (`keras_mwms.backends.torch.gradients`); the optimizer keeps its fast torch class; Keras'
   torch Adam/AdamW update reuses two scratch buffers (`keras_mwms.backends.torch.fused_adam`);
 * global metric results (`keras_mwms.backends.torch.metrics`);
-* `BatchNormalization(synchronized=True)` with global batch statistics.
+* BatchNormalization over the global batch (`synchronized=True`, and an ordinary layer unless
+  `CommunicationOptions(batch_norm_statistics="per_worker")`).
 
 Example:
 
@@ -33,7 +34,7 @@ import inspect
 from collections.abc import Callable
 
 from keras_mwms import active
-from keras_mwms.backends import model_scope
+from keras_mwms.backends import model_scope, policy
 from keras_mwms.backends.patches import KerasHas, Patch, PatchTable
 from keras_mwms.backends.torch import data, fused_adam, gradients, metrics, training
 from keras_mwms.backends.torch.state import STATE, backend_of, model_of
@@ -145,7 +146,13 @@ def _global_moments(original: Callable) -> Callable:
     @functools.wraps(original)
     def _moments(self, *args, **kwargs):
         backend = active.active_backend()
-        if not self.synchronized or backend is None:
+        # synchronized=True: global wherever the strategy is active (a custom loop too); an
+        # ordinary layer: global inside a distributed train step, unless per-worker was chosen
+        # (one worker keeps Keras' own moments, bit for bit).
+        wanted = backend is not None and (self.synchronized or (
+            backend.in_train_step and backend.distributed
+            and policy.global_batch_norm_moments(self, backend.options)))
+        if not wanted:
             return original(self, *args, **kwargs)
         values = signature.bind(self, *args, **kwargs).arguments
         if values["mask"] is not None:

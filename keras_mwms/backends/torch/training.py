@@ -206,8 +206,12 @@ def _distributed_train_function(model, backend: TorchEngine, train_function):
                     and not model.jit_compile and keras_train_step(model) and metrics_first_applies(model))
 
     def distributed_train_function(data):
-        with LEDGER.train_step():
-            return train_on(data)
+        backend.in_train_step = True
+        try:
+            with LEDGER.train_step():
+                return train_on(data)
+        finally:
+            backend.in_train_step = False
 
     def train_on(data):
         batch = data[0]
