@@ -236,6 +236,9 @@ class TensorFlowBackend(Backend):
         """Whether `model` was built in this backend's scope (it then trains on all workers)."""
         return self.strategy is not None and getattr(model, "_distribute_strategy", None) is self.strategy
 
+    def trains_on_all_workers(self, model: Any) -> bool:
+        return self.uses(model)
+
     def raise_if_worker_lost(self, where: str, error: BaseException) -> None:
         """Turns TF's lost-peer errors (heartbeats, aborted collectives) into `WorkerLostError`.
 

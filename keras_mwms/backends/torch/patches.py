@@ -61,18 +61,22 @@ def _tag_models_in_scope(original: Callable) -> Callable:
     return __init__
 
 
-def _sharded(shard_inputs: Callable, check_tf_config: bool = False) -> Callable:
-    """`fit`/`evaluate` of a tagged model on this worker's shard of the global batches."""
+def _sharded(shard_inputs: Callable, fit: bool = False) -> Callable:
+    """`fit`/`evaluate` of a tagged model on this worker's shard of the global batches; a
+    `fit` first checks TF_CONFIG and ends with the workers-agree check."""
     def replacement(original: Callable) -> Callable:
         @functools.wraps(original)
         def run_on_shard(self, *args, **kwargs):
             backend = backend_of(self)
             if backend is None or kwargs.get("_use_cached_eval_dataset"):   # fit's validation
                 return original(self, *args, **kwargs)
-            if check_tf_config:
+            if fit:
                 backend.check_tf_config_unchanged(stacklevel=2)
-            return original(self, **_quiet_unless_chief(
+            result = original(self, **_quiet_unless_chief(
                 backend, shard_inputs(backend, original, args, kwargs, model=self)))
+            if fit:
+                backend.check_workers_agree(self, "model.fit()")
+            return result
 
         return run_on_shard
 
@@ -233,7 +237,7 @@ _GRADIENTS = (f"{_NO_HOOKS}: the global-batch gradient (all-reduced, divided by 
 TABLE = PatchTable("torch", [
     Patch("torch-tag-models-in-scope", f"{_TRAINER}.__init__", _tag_models_in_scope,
           f"{_NO_HOOKS}: models created in strategy.scope() are tagged, the others left alone"),
-    Patch("torch-fit-sharded-inputs", f"{_TRAINER}.fit", _sharded(data.shard_fit_inputs, check_tf_config=True),
+    Patch("torch-fit-sharded-inputs", f"{_TRAINER}.fit", _sharded(data.shard_fit_inputs, fit=True),
           f"{_NO_HOOKS}: fit's global batches become this worker's shard; progress on the chief",
           parameters=("x", "y", "batch_size", "verbose", "sample_weight", "class_weight",
                       "validation_split", "validation_data", "validation_batch_size", "shuffle")),
