@@ -31,7 +31,8 @@ Exit code: 0 only when every worker of the last attempt exits 0.
 
 Each worker gets `TF_CONFIG`, `KERAS_MWMS_ATTEMPT` (0 on the first start),
 `KERAS_MWMS_LOCAL_WORKERS` (N) and, unless already set, `OMP_NUM_THREADS` = cores ÷ N:
-oversubscribing cores made synchronous training several times slower in our probes.
+oversubscribing cores made synchronous training several times slower in our probes, and
+`TF_CPP_MIN_LOG_LEVEL=1` (TensorFlow's C++ INFO lines off; warnings and errors kept).
 
 GPUs (`--gpus-per-worker`, see `keras_mwms.gpu_assignment`): each worker gets
 `KERAS_MWMS_LOCAL_RANK` (its index) and, on a host with GPUs, its own `CUDA_VISIBLE_DEVICES`:
@@ -182,6 +183,10 @@ class Gang:
         env[gpu_assignment.LOCAL_RANK_ENV] = str(index)
         env["PYTHONUNBUFFERED"] = "1"
         env.setdefault("OMP_NUM_THREADS", str(devices.threads_per_worker(self.workers)))
+        # TensorFlow's INFO lines (its coordination service's "Waiting for 1/2 tasks to
+        # connect", barriers, memory patches) are the gang's start-up chatter, not the user's
+        # business; warnings and errors still print. A user's own setting wins.
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
         return env
 
     def _pump(self, index: int, stream, output) -> None:

@@ -26,7 +26,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import pickle
 import re
 from collections.abc import Callable
@@ -160,6 +159,7 @@ class TensorFlowBackend(Backend):
         self.implementation = CommunicationImplementation(
             resolve_engine(options.implementation, self.gpu_count).upper())
         self.strategy = None
+        self._traced_sums: dict[tuple[str, int], Any] = {}   # (dtype, rank) -> traced SUM
         self.row_weighting: RowWeighting | None = None
 
     @staticmethod
@@ -304,17 +304,21 @@ class TensorFlowBackend(Backend):
 
         per_replica = self.strategy.experimental_distribute_values_from_function(value_for)
         with LEDGER.collective("all-reduce (sum)", array.nbytes):
-            return np.asarray(self._traced_sum(per_replica))
+            return np.asarray(self._traced_sum(array.dtype, array.ndim)(per_replica))
 
-    @functools.cached_property
-    def _traced_sum(self):
+    def _traced_sum(self, dtype: np.dtype, ndim: int):
         """SUM across replicas inside a `tf.function`: eagerly, TF logs "Using
         CollectiveAllReduceStrategy eagerly has significant overhead" on every call (every
-        epoch of BackupAndRestore)."""
+        epoch of BackupAndRestore). One function per dtype and rank, each generalising its
+        shapes: one function for all retraced on every new dtype, and TF warned of retracing."""
         import tensorflow as tf
 
-        return tf.function(lambda per_replica: self.strategy.reduce("SUM", per_replica, axis=None),
-                           reduce_retracing=True)
+        key = (np.dtype(dtype).str, ndim)
+        if key not in self._traced_sums:
+            self._traced_sums[key] = tf.function(
+                lambda per_replica: self.strategy.reduce("SUM", per_replica, axis=None),
+                reduce_retracing=True)
+        return self._traced_sums[key]
 
     def all_reduce_sum(self, value: np.ndarray) -> np.ndarray:
         """SUM of every worker's `value` (NumPy in, NumPy out)."""
