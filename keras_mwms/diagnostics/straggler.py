@@ -43,7 +43,7 @@ from keras_mwms.diagnostics.ledger import LEDGER
 RELATIVE_THRESHOLD = 0.2
 ABSOLUTE_THRESHOLD_SECONDS = 0.005
 GATHER_SECONDS = 2.0
-KEYS = ("data", "compute", "collective", "steps")
+KEYS = ("data", "compute", "collective", "steps", "in_graph_steps")
 REPORT_ENV = "KERAS_MWMS_REPORT"
 
 _state: dict[str, Any] = {"epochs": 0, "previous": None, "last": None}
@@ -89,10 +89,18 @@ def format_report(epoch: int, times: dict[int, dict], slow: list[int], missing: 
     named = ", ".join(f"worker {worker}" for worker in slow) or "none"
     lines = [f"keras_mwms epoch {epoch + 1}: seconds per worker (data wait / compute / collective wait); "
              f"straggler: {named}"]
+    in_graph = False
     for worker in sorted(times):
         entry = times[worker]
-        lines.append(f"  worker {worker}: {entry['data']:.3f} / {entry['compute']:.3f} / "
+        # A step compiled with its collectives (TensorFlow) cannot be split: "-", not 0.000.
+        whole = int(entry.get("in_graph_steps", 0)) >= int(entry["steps"]) > 0
+        in_graph |= whole
+        compute = "-" if whole else f"{entry['compute']:.3f}"
+        lines.append(f"  worker {worker}: {entry['data']:.3f} / {compute} / "
                      f"{entry['collective']:.3f} over {int(entry['steps'])} step(s)")
+    if in_graph:
+        lines.append("  (-: the step's compute and collectives run in one compiled graph; the "
+                     "last column holds both)")
     for worker in missing:
         lines.append(f"  worker {worker}: no times arrived within {GATHER_SECONDS:g} s")
     return "\n".join(lines)

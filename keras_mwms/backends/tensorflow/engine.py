@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import pickle
 import re
 from collections.abc import Callable
@@ -159,7 +160,6 @@ class TensorFlowBackend(Backend):
         self.implementation = CommunicationImplementation(
             resolve_engine(options.implementation, self.gpu_count).upper())
         self.strategy = None
-        self._traced_sums: dict[tuple[str, int], Any] = {}   # (dtype, rank) -> traced SUM
         self.row_weighting: RowWeighting | None = None
 
     @staticmethod
@@ -289,9 +289,18 @@ class TensorFlowBackend(Backend):
 
     # -- collective port ------------------------------------------------------------------
     def _all_reduce_sum(self, array: np.ndarray, contributing_replica: int | None = None) -> np.ndarray:
-        """SUM of `array` over workers; only `contributing_replica` adds it if given (others add 0)."""
+        """SUM of `array` over workers; only `contributing_replica` adds it if given (others add 0).
+
+        Every call travels as one flat float64 vector, so the one traced function below is
+        traced twice in a job (its first shape, then any length) instead of once per dtype,
+        rank and size, which made TF warn of retracing. Exact for what the port carries:
+        integers below 2**53 (counts, flags, int32 words of a broadcast) and float32/float64
+        values gathered between zeros.
+        """
         import tensorflow as tf
 
+        array = np.asarray(array)
+        flat = array.astype(np.float64).reshape(-1)
         first_local_replica = self.worker_index * self.replicas_per_worker
 
         def value_for(context):
@@ -300,25 +309,22 @@ class TensorFlowBackend(Backend):
                 keep = replica == first_local_replica
             else:
                 keep = replica == contributing_replica
-            return tf.constant(array if keep else np.zeros_like(array))
+            return tf.constant(flat if keep else np.zeros_like(flat))
 
         per_replica = self.strategy.experimental_distribute_values_from_function(value_for)
         with LEDGER.collective("all-reduce (sum)", array.nbytes):
-            return np.asarray(self._traced_sum(array.dtype, array.ndim)(per_replica))
+            total = np.asarray(self._traced_sum(per_replica))
+        return total.reshape(array.shape).astype(array.dtype)
 
-    def _traced_sum(self, dtype: np.dtype, ndim: int):
+    @functools.cached_property
+    def _traced_sum(self):
         """SUM across replicas inside a `tf.function`: eagerly, TF logs "Using
         CollectiveAllReduceStrategy eagerly has significant overhead" on every call (every
-        epoch of BackupAndRestore). One function per dtype and rank, each generalising its
-        shapes: one function for all retraced on every new dtype, and TF warned of retracing."""
+        epoch of BackupAndRestore)."""
         import tensorflow as tf
 
-        key = (np.dtype(dtype).str, ndim)
-        if key not in self._traced_sums:
-            self._traced_sums[key] = tf.function(
-                lambda per_replica: self.strategy.reduce("SUM", per_replica, axis=None),
-                reduce_retracing=True)
-        return self._traced_sums[key]
+        return tf.function(lambda per_replica: self.strategy.reduce("SUM", per_replica, axis=None),
+                           reduce_retracing=True)
 
     def all_reduce_sum(self, value: np.ndarray) -> np.ndarray:
         """SUM of every worker's `value` (NumPy in, NumPy out)."""
