@@ -19,7 +19,8 @@ once), and the workers compare:
 Hashes travel as 16-bit pieces in float64, exact on every backend's collectives (JAX without
 x64 carries float32). Seed-generator states and metric states are not compared: metric
 states are per-worker by design (the logs are reduced), and seeds drive no variable value.
-`KERAS_MWMS_CHECK_WORKERS_AGREE=0` turns the check off.
+`KERAS_MWMS_CHECK_WORKERS_AGREE=0` turns the check off, `=1` on; unset it is on, except on
+TensorFlow (see `TensorFlowBackend.checks_workers_agree_by_default`).
 
 Example (one worker: nothing to compare, no collective):
 
@@ -41,15 +42,19 @@ from keras_mwms.errors import WorkersDifferError
 ENABLE_ENV = "KERAS_MWMS_CHECK_WORKERS_AGREE"
 
 
-def enabled() -> bool:
-    """Whether the check runs (on unless `KERAS_MWMS_CHECK_WORKERS_AGREE` is 0, false or off).
+def enabled(port: Any = None) -> bool:
+    """Whether the check runs: `KERAS_MWMS_CHECK_WORKERS_AGREE` 1 or 0 decides; unset, the
+    backend's `checks_workers_agree_by_default` (on, except TensorFlow: see its engine).
 
     Example:
 
     >>> enabled() in (True, False)
     True
     """
-    return os.environ.get(ENABLE_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    value = os.environ.get(ENABLE_ENV, "").strip().lower()
+    if value:
+        return value not in ("0", "false", "off", "no")
+    return bool(getattr(port, "checks_workers_agree_by_default", True))
 
 
 def fingerprint(name: str, value: np.ndarray) -> tuple[str, int]:
@@ -115,7 +120,7 @@ def check_workers_agree(port: Any, named_values: Sequence[tuple[str, np.ndarray]
     same order; `port` offers `num_workers`, `worker_index`, `all_gather` and
     `broadcast_object` (a `keras_mwms.backends.base.Backend`). One all-gather when all agree.
     """
-    if port.num_workers == 1 or not enabled():
+    if port.num_workers == 1 or not enabled(port):
         return
     entries = [fingerprint(name, value) for name, value in named_values]
     everyone = np.asarray(port.all_gather(summary(entries)))
@@ -166,5 +171,5 @@ def model_state(model: Any) -> list[tuple[str, np.ndarray]]:
 
 def check_model(port: Any, model: Any, where: str) -> None:
     """`check_workers_agree` over `model_state(model)`; nothing at all on one worker."""
-    if port.num_workers > 1 and enabled():
+    if port.num_workers > 1 and enabled(port):
         check_workers_agree(port, model_state(model), where)
