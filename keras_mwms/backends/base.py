@@ -48,9 +48,6 @@ class Backend(abc.ABC):
     """
 
     name: str = ""
-    # The workers-agree check after fit and at checkpoints (`backends.consistency`) runs unless
-    # KERAS_MWMS_CHECK_WORKERS_AGREE says otherwise.
-    checks_workers_agree_by_default: bool = True
 
     def __init__(self, resolver: ClusterResolver, options: CommunicationOptions,
                  tf_config_at_creation: str = ""):

@@ -5,12 +5,12 @@ breaks that (a callback that writes a variable on one worker only, a variable cr
 `strategy.scope()`, a keras_mwms bug), the job would go on training N different models. So at
 the end of every `fit` and at every checkpoint (`keras_mwms.callbacks.ModelCheckpoint`,
 `BackupAndRestore`) each worker fingerprints every model weight and optimizer variable,
-trainable or not (its name, shape and dtype, and the XOR and the sum of its 32-bit words, folded
-by CRC-32: any changed word changes both; a pass costs about as much as reading the values
-once), and the workers compare:
+trainable or not (its shape and dtype, and the XOR and the sum of its 32-bit words, folded by
+CRC-32: any changed word changes both; a pass costs about as much as reading the values once;
+names are only for the message, Keras numbers them per process), and the workers compare:
 
 - **healthy** — one all-gather of a five-number summary (variable count, a hash of the
-  names, shapes and dtypes, a hash of the per-variable hashes) finds them equal; nothing else;
+  shapes and dtypes, a hash of the per-variable hashes) finds them equal; nothing else;
 - **different** — every worker saw the same gathered summaries, so every worker takes the
   same branch: the chief broadcasts its per-variable list, each worker finds its first
   variable that differs from it, one more all-gather shares that, and every worker raises the
@@ -19,8 +19,7 @@ once), and the workers compare:
 Hashes travel as 16-bit pieces in float64, exact on every backend's collectives (JAX without
 x64 carries float32). Seed-generator states and metric states are not compared: metric
 states are per-worker by design (the logs are reduced), and seeds drive no variable value.
-`KERAS_MWMS_CHECK_WORKERS_AGREE=0` turns the check off, `=1` on; unset it is on, except on
-TensorFlow (see `TensorFlowBackend.checks_workers_agree_by_default`).
+`KERAS_MWMS_CHECK_WORKERS_AGREE=0` turns the check off.
 
 Example (one worker: nothing to compare, no collective):
 
@@ -42,49 +41,49 @@ from keras_mwms.errors import WorkersDifferError
 ENABLE_ENV = "KERAS_MWMS_CHECK_WORKERS_AGREE"
 
 
-def enabled(port: Any = None) -> bool:
-    """Whether the check runs: `KERAS_MWMS_CHECK_WORKERS_AGREE` 1 or 0 decides; unset, the
-    backend's `checks_workers_agree_by_default` (on, except TensorFlow: see its engine).
+def enabled() -> bool:
+    """Whether the check runs (on unless `KERAS_MWMS_CHECK_WORKERS_AGREE` is 0, false or off).
 
     Example:
 
     >>> enabled() in (True, False)
     True
     """
-    value = os.environ.get(ENABLE_ENV, "").strip().lower()
-    if value:
-        return value not in ("0", "false", "off", "no")
-    return bool(getattr(port, "checks_workers_agree_by_default", True))
+    return os.environ.get(ENABLE_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
-def fingerprint(name: str, value: np.ndarray) -> tuple[str, int]:
-    """`(description, 32-bit fingerprint)` of one variable: its name, shape and dtype, and its
-    values (the XOR and the sum of its bytes as 32-bit words, zero-padded to whole words).
+def fingerprint(name: str, value: np.ndarray) -> tuple[str, str, int]:
+    """`(name, layout, 32-bit fingerprint)` of one variable: the fingerprint covers its shape,
+    dtype and values (the XOR and the sum of its bytes as 32-bit words, zero-padded to whole
+    words), not its name: Keras numbers names per process, so a chief that built one more model
+    (a reload) names the next ones differently from the other workers.
 
     Example:
 
-    >>> description, number = fingerprint("dense/bias", np.zeros(3, np.float32))
-    >>> description, number == fingerprint("dense/bias", np.array([0, 1e-3, 0], np.float32))[1]
-    ('dense/bias (shape (3,), float32)', False)
+    >>> name, layout, number = fingerprint("dense/bias", np.zeros(3, np.float32))
+    >>> layout, number == fingerprint("dense_7/bias", np.zeros(3, np.float32))[2]
+    ('shape (3,), float32', True)
+    >>> number == fingerprint("dense/bias", np.array([0, 1e-3, 0], np.float32))[2]
+    False
     """
     value = np.ascontiguousarray(value)
-    description = f"{name} (shape {tuple(value.shape)}, {value.dtype.name})"
+    layout = f"shape {tuple(value.shape)}, {value.dtype.name}"
     data = value.reshape(-1).view(np.uint8)
     if data.size % 4:
         data = np.concatenate([data, np.zeros(4 - data.size % 4, np.uint8)])
     words = data.view(np.uint32)
     folded = np.array([np.bitwise_xor.reduce(words) if words.size else 0,
                        words.sum(dtype=np.uint64) & 0xFFFFFFFF], np.uint32)
-    return description, zlib.crc32(folded.tobytes(), zlib.crc32(description.encode()))
+    return name, layout, zlib.crc32(folded.tobytes(), zlib.crc32(layout.encode()))
 
 
 def _pieces(number: int) -> list[float]:
     return [float(number >> 16), float(number & 0xFFFF)]
 
 
-def summary(entries: Sequence[tuple[str, int]]) -> np.ndarray:
-    """Five exact numbers that are equal on two workers only if their `entries` are:
-    the count, a hash of the descriptions and a hash of the values, in 16-bit pieces.
+def summary(entries: Sequence[tuple[str, str, int]]) -> np.ndarray:
+    """Five exact numbers that are equal on two workers only if their `entries` are (names
+    aside): the count, a hash of the layouts and a hash of the values, in 16-bit pieces.
 
     Example:
 
@@ -93,20 +92,23 @@ def summary(entries: Sequence[tuple[str, int]]) -> np.ndarray:
     >>> a.shape, bool((a[:3] == b[:3]).all()), bool((a == b).all())
     ((5,), True, False)
     """
-    names = zlib.crc32("\n".join(description for description, _ in entries).encode())
-    values = zlib.crc32(np.array([crc for _, crc in entries], np.uint32).tobytes())
-    return np.array([float(len(entries)), *_pieces(names), *_pieces(values)], np.float64)
+    layouts = zlib.crc32("\n".join(layout for _, layout, _ in entries).encode())
+    values = zlib.crc32(np.array([number for _, _, number in entries], np.uint32).tobytes())
+    return np.array([float(len(entries)), *_pieces(layouts), *_pieces(values)], np.float64)
 
 
-def first_difference(mine: Sequence[tuple[str, int]], chief: Sequence[tuple[str, int]]) -> tuple[int, int]:
-    """`(index of the first entry that differs from the chief's, how many differ)`; `(-1, 0)` if none.
+def first_difference(mine: Sequence[tuple[str, str, int]],
+                     chief: Sequence[tuple[str, str, int]]) -> tuple[int, int]:
+    """`(index of the first entry that differs from the chief's, how many differ)`; `(-1, 0)` if
+    none. Names are not compared (see `fingerprint`).
 
     Example:
 
-    >>> first_difference([("a", 1), ("b", 2), ("c", 9)], [("a", 1), ("b", 3), ("c", 8)])
+    >>> first_difference([("a", "s", 1), ("b", "s", 2), ("c", "s", 9)],
+    ...                  [("a", "s", 1), ("x", "s", 3), ("c", "s", 8)])
     (1, 2)
     """
-    differing = [index for index, (own, theirs) in enumerate(zip(mine, chief)) if own != theirs]
+    differing = [index for index, (own, theirs) in enumerate(zip(mine, chief)) if own[1:] != theirs[1:]]
     extra = abs(len(mine) - len(chief))   # variables only one side has
     if extra and not differing:
         return min(len(mine), len(chief)), extra
@@ -120,7 +122,7 @@ def check_workers_agree(port: Any, named_values: Sequence[tuple[str, np.ndarray]
     same order; `port` offers `num_workers`, `worker_index`, `all_gather` and
     `broadcast_object` (a `keras_mwms.backends.base.Backend`). One all-gather when all agree.
     """
-    if port.num_workers == 1 or not enabled(port):
+    if port.num_workers == 1 or not enabled():
         return
     entries = [fingerprint(name, value) for name, value in named_values]
     everyone = np.asarray(port.all_gather(summary(entries)))
@@ -133,13 +135,16 @@ def check_workers_agree(port: Any, named_values: Sequence[tuple[str, np.ndarray]
     raise WorkersDifferError(*_message(where, chief, table, port.worker_index))
 
 
-def _message(where: str, chief: Sequence[tuple[str, int]], table: np.ndarray,
+def _message(where: str, chief: Sequence[tuple[str, str, int]], table: np.ndarray,
              worker_index: int) -> tuple[str, str, list[int]]:
     odd = [rank for rank, (index, _) in enumerate(table.tolist()) if index >= 0]
     first = int(min(table[odd, 0])) if odd else 0
     count = int(max(table[odd, 1])) if odd else 0
-    variable = chief[first][0] if first < len(chief) else f"variable #{first + 1} (the chief has {len(chief)})"
-    name = variable.split(" (shape", 1)[0]
+    if first < len(chief):
+        name = chief[first][0]
+        variable = f"{name} ({chief[first][1]})"
+    else:
+        name = variable = f"variable #{first + 1} (the chief has {len(chief)})"
     if len(table) == 2:
         who = "worker 0 (the chief) and worker 1 hold different values"
     else:
@@ -171,5 +176,5 @@ def model_state(model: Any) -> list[tuple[str, np.ndarray]]:
 
 def check_model(port: Any, model: Any, where: str) -> None:
     """`check_workers_agree` over `model_state(model)`; nothing at all on one worker."""
-    if port.num_workers > 1 and enabled(port):
+    if port.num_workers > 1 and enabled():
         check_workers_agree(port, model_state(model), where)

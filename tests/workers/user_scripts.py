@@ -500,8 +500,6 @@ def variant_one_worker_nudges_state():
     reference nudges nothing). The nudge is undone after each, so the weights still equal
     plain Keras'."""
     x, y = regression()
-    previous = os.environ.get("KERAS_MWMS_CHECK_WORKERS_AGREE")
-    os.environ["KERAS_MWMS_CHECK_WORKERS_AGREE"] = "1"   # on TensorFlow it is off by default
     callbacks = keras.callbacks if strategy is None else keras_mwms.callbacks
     checkpoint = os.path.join(arguments.out, "one_worker_nudges_state", f"w{INDEX}.weights.h5")
     with scope():
@@ -518,10 +516,6 @@ def variant_one_worker_nudges_state():
             caught.append({"type": type(error).__name__, "message": str(error),
                            "variable": getattr(error, "variable", None), "workers": getattr(error, "workers", None)})
         nudge.restore()
-    if previous is None:
-        del os.environ["KERAS_MWMS_CHECK_WORKERS_AGREE"]
-    else:
-        os.environ["KERAS_MWMS_CHECK_WORKERS_AGREE"] = previous
     return model, {"caught": caught, "moving_mean_path": nudge._variable().path}
 
 

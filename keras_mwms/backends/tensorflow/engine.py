@@ -148,11 +148,6 @@ class TensorFlowBackend(Backend):
     """
 
     name = "tensorflow"
-    # Off until understood: in the full tests/workers/user_scripts.py gang (20 models, a check
-    # after each fit) the check found the workers' weights different after a later plain fit
-    # (sgd_arrays, tfdata_worker_seeds), where the same gang without the check ends them
-    # bit-identical. KERAS_MWMS_CHECK_WORKERS_AGREE=1 turns it on.
-    checks_workers_agree_by_default = False
 
     def __init__(self, resolver: ClusterResolver, options: CommunicationOptions,
                  tf_config_at_creation: str = ""):
