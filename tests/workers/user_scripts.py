@@ -544,13 +544,6 @@ def run_variant(name: str) -> None:
     common.log(f"variant {name} done")
 
 
-# Variants whose fits raise on every worker run after all others: on TensorFlow, after
-# one_worker_nudges_state's ModelCheckpoint aborted a fit, a later variant's workers ended a fit
-# with different weights (early_stopping_reduce_lr, run after backup_and_restore,
-# one_worker_nudges_state and save_on_chief; reproduced twice, not seen without the abort).
-RAISING_VARIANTS = ["one_worker_nudges_state"]
-ORDER = [name for name in VARIANTS if name not in RAISING_VARIANTS] + RAISING_VARIANTS
-
-for variant_name in (arguments.only.split(",") if arguments.only else ORDER):
+for variant_name in (arguments.only.split(",") if arguments.only else VARIANTS):
     run_variant(variant_name)
 common.log("all variants done")
