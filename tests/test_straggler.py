@@ -50,6 +50,9 @@ def test_a_table_is_printed_when_it_names_someone_or_on_request(monkeypatch):
     monkeypatch.delenv(REPORT_ENV, raising=False)
     assert worth_printing([1], []) and worth_printing([], [1])
     assert not worth_printing([], [])
+    slow = {0: {"data": 0.0, "compute": 0.30}, 1: {"data": 0.9, "compute": 0.30}}
+    jitter = {0: {"data": 0.0, "compute": 0.030}, 1: {"data": 0.0, "compute": 0.080}}
+    assert worth_printing([1], [], slow) and not worth_printing([1], [], jitter)
     monkeypatch.setenv(REPORT_ENV, "1")
     assert worth_printing([], [])
 

@@ -15,7 +15,7 @@ collective, so a model trained on one worker alone cannot hang the others — an
 after waiting at most `GATHER_SECONDS` for them, keeps the report for
 `keras_mwms.callbacks.TensorBoard` (`last_epoch_report`). The table is printed, after the
 epoch's callbacks (so after Keras' progress line), only when it says something — a straggler
-named, a worker's times missing — or on request: `KERAS_MWMS_REPORT=1` (the launcher's
+named that cost the epoch `PRINT_MIN_SECONDS` or more, a worker's times missing — or on request: `KERAS_MWMS_REPORT=1` (the launcher's
 `--report`). Epochs are numbered from 1, as Keras' "Epoch 1/3".
 
 Example:
@@ -45,6 +45,7 @@ ABSOLUTE_THRESHOLD_SECONDS = 0.005
 GATHER_SECONDS = 2.0
 KEYS = ("data", "compute", "collective", "steps", "in_graph_steps")
 REPORT_ENV = "KERAS_MWMS_REPORT"
+PRINT_MIN_SECONDS = 0.5
 
 _state: dict[str, Any] = {"epochs": 0, "previous": None, "last": None}
 
@@ -72,15 +73,24 @@ def reports_requested() -> bool:
     return os.environ.get(REPORT_ENV, "").strip().lower() in ("1", "true", "on", "yes")
 
 
-def worth_printing(slow: list[int], missing: list[int]) -> bool:
-    """An epoch table is printed when it names a straggler or a silent worker, or on request.
+def worth_printing(slow: list[int], missing: list[int], times: dict[int, dict] | None = None) -> bool:
+    """An epoch table is printed when it names a silent worker, or a straggler whose own work
+    exceeds the fastest worker's by `PRINT_MIN_SECONDS` or more (a few milliseconds of jitter on
+    a busy machine name someone too, and say nothing), or on request.
 
     Example:
 
-    >>> worth_printing([1], []), worth_printing([], [1]), worth_printing([], []) == reports_requested()
+    >>> times = {0: {"data": 0.0, "compute": 0.2}, 1: {"data": 0.9, "compute": 0.2}}
+    >>> worth_printing([1], [], times), worth_printing([], [1]), worth_printing([], []) == reports_requested()
     (True, True, True)
     """
-    return bool(slow or missing) or reports_requested()
+    if missing or reports_requested():
+        return True
+    if not slow or times is None:
+        return bool(slow)
+    own = {worker: entry["data"] + entry["compute"] for worker, entry in times.items()}
+    fastest = min(own.values())   # what the others waited for, roughly
+    return any(own[worker] - fastest >= PRINT_MIN_SECONDS for worker in slow)
 
 
 def format_report(epoch: int, times: dict[int, dict], slow: list[int], missing: list[int] = ()) -> str:
@@ -145,7 +155,7 @@ def on_epoch_end(epoch: int, watchdog: Any) -> tuple[dict | None, str]:
     slow = stragglers(times)
     report = {"epoch": epoch, "times": times, "stragglers": slow}
     _state["last"] = report
-    return report, (format_report(epoch, times, slow, missing) if worth_printing(slow, missing) else "")
+    return report, (format_report(epoch, times, slow, missing) if worth_printing(slow, missing, times) else "")
 
 
 def _reporting_on_epoch_end(original: Callable) -> Callable:
