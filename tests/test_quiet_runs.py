@@ -53,8 +53,11 @@ def test_a_healthy_two_worker_run_prints_what_plain_keras_prints(backend, monkey
     result = run_launcher(["--workers", "2"], [str(WORKERS_DIR / "quickstart.py")], timeout=TIMEOUT, env=env)
     shown = f"--- plain\n{chr(10).join(plain_lines)}\n--- launcher\n{result.launcher_log}\n--- workers\n{result.output}"
     assert result.returncode == 0, shown
+    # (Text-mode pipes turn the progress bar's "\r" redraws into lines of their own, without the
+    # prefix: they are Keras' progress either way, and the prefix alone is no line of text.)
     workers = {index: [line[len(f"[worker {index}] "):] for line in _lines(result.output)
-                       if line.startswith(f"[worker {index}] ")] for index in (0, 1)}
+                       if line.startswith(f"[worker {index}] ") and line[len(f"[worker {index}] "):].strip()]
+               for index in (0, 1)}
     print(f"{backend}: plain {len(plain_lines)} lines; chief {len(workers[0])}, worker 1 "
           f"{len(workers[1])}, launcher {len(_lines(result.launcher_log))}")
     plain_other = [line for line in plain_lines if not _is_progress(line)]
