@@ -23,7 +23,7 @@ from keras_mwms.cluster import (
 )
 from keras_mwms.communication import CommunicationImplementation, CommunicationOptions
 from keras_mwms.data import AutoShardPolicy, InputContext
-from keras_mwms.errors import WorkerLostError
+from keras_mwms.errors import WorkerLostError, WorkersDifferError
 from keras_mwms.rendezvous import RendezvousError
 from keras_mwms.resolvers import (
     ClusterEnvironmentError,
@@ -60,6 +60,7 @@ __all__ = [
     "TFConfigError",
     "TorchrunClusterResolver",
     "WorkerLostError",
+    "WorkersDifferError",
     "__version__",
     "callbacks",
 ]

@@ -242,9 +242,28 @@ def first_batch_digest(x) -> str | None:
     if shuffles:
         digest.update(repr(shuffles).encode())
     else:
-        for leaf in tf.nest.flatten(next(iter(x.take(1)))):
+        for leaf in tf.nest.flatten(next(iter(_below_caches(x).take(1)))):
             digest.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
     return digest.hexdigest()[:16]
+
+
+def _below_caches(dataset):
+    """The input of the topmost `cache()` of a linear pipeline (repeatedly), else `dataset`.
+
+    A partly read iterator over a cache makes TF warn "The calling iterator did not fully read
+    the dataset being cached" (plain Keras never does that); the rows below the cache tell
+    whether the workers' data agree just as well.
+    """
+    current, readable = dataset, dataset
+    while current is not None:
+        if type(current).__name__ == "CacheDataset":
+            readable = current._input_dataset
+        try:
+            inputs = current._inputs()
+        except (NotImplementedError, AttributeError):
+            break
+        current = inputs[0] if len(inputs) == 1 else None
+    return readable
 
 
 def _shuffle_seeds(dataset) -> list:

@@ -3,7 +3,9 @@
 `WorkerLostError` is what a synchronous job raises when a peer worker dies, hangs or becomes
 unreachable: no backend can go on without it, so every worker stops with a message naming the
 lost worker(s), and the process ends within `CommunicationOptions.lost_worker_exit_seconds`
-even if the backend's teardown waits for the dead peer.
+even if the backend's teardown waits for the dead peer. `WorkersDifferError` is what every
+worker raises when their variables are found to differ (the check after `fit` and at each
+checkpoint, `keras_mwms.backends.consistency`).
 """
 
 from __future__ import annotations
@@ -33,3 +35,29 @@ class WorkerLostError(RuntimeError):
         super().__init__(message)
         self.lost_workers = list(lost_workers or [])
         self.where = where
+
+
+class WorkersDifferError(RuntimeError):
+    """The workers' model or optimizer variables differ: synchronous training has diverged.
+
+    Raised on every worker at once by the check at the end of `fit` and at every checkpoint
+    (`keras_mwms.backends.consistency`), so no worker waits for another that stopped. The
+    message names the first differing variable and the workers that hold other values.
+
+    Example:
+
+    >>> error = WorkersDifferError("variables differ", variable="dense/kernel", workers=[1])
+    >>> isinstance(error, RuntimeError), error.variable, error.workers
+    (True, 'dense/kernel', [1])
+
+    Args:
+        message: the full message.
+        variable: the path of the first differing variable (model weights first, then the
+            optimizer's variables).
+        workers: the ranks whose values differ from the chief's (with 2 workers: `[1]`).
+    """
+
+    def __init__(self, message: str, variable: str = "", workers: list[int] | None = None):
+        super().__init__(message)
+        self.variable = variable
+        self.workers = list(workers or [])

@@ -8,7 +8,9 @@ so the gang lives and dies together:
 * the workers report hangs and progress to the launcher over UDP
   (`KERAS_MWMS_DIAGNOSTICS_ADDRESS`): it prints the hang verdict, asks every worker for a hang
   report when none made progress for `--no-progress-seconds`, and prints where each worker's
-  time went (data, compute, collectives) at the end of a run (`keras_mwms.diagnostics`);
+  time went (data, compute, collectives) at the end of a run that failed, or of every run with
+  `--report` (which also sets `KERAS_MWMS_REPORT=1` in the workers: every epoch's straggler
+  table, not only those naming a straggler; `keras_mwms.diagnostics`);
 * when a worker exits non-zero, the others are stopped (SIGTERM, then SIGKILL after
   `--grace-period` seconds) and the gang's exit code is that worker's;
 * with `--max-restarts K` a failed gang is started again, up to K times, on fresh ports,
@@ -30,7 +32,8 @@ Exit code: 0 only when every worker of the last attempt exits 0.
 Each worker gets `TF_CONFIG`, `KERAS_MWMS_ATTEMPT` (0 on the first start),
 `KERAS_MWMS_LOCAL_WORKERS` (N) and, unless already set, `OMP_NUM_THREADS` = cores ÷ N (the
 split every worker makes on its own, `keras_mwms.threads`, exported so OpenMP starts with it):
-oversubscribing cores made synchronous training several times slower in our probes.
+oversubscribing cores made synchronous training several times slower in our probes, and
+`TF_CPP_MIN_LOG_LEVEL=1` (TensorFlow's C++ INFO lines off; warnings and errors kept).
 
 GPUs (`--gpus-per-worker`, see `keras_mwms.gpu_assignment`): each worker gets
 `KERAS_MWMS_LOCAL_RANK` (its index) and, on a host with GPUs, its own `CUDA_VISIBLE_DEVICES`:
@@ -53,6 +56,7 @@ from dataclasses import dataclass
 
 from keras_mwms import advice, devices, gpu_assignment, threads
 from keras_mwms.cluster import format_address, make_tf_config
+from keras_mwms.diagnostics.straggler import REPORT_ENV
 
 DEFAULT_GRACE_PERIOD_SECONDS = 10.0
 # A SIGKILLed process is gone in milliseconds unless stuck in the kernel (a dead NFS mount);
@@ -184,6 +188,10 @@ class Gang:
         env["PYTHONUNBUFFERED"] = "1"
         if threads.USER_THREADS_ENV not in env:   # the user's choice wins (keras_mwms.threads)
             env[threads.USER_THREADS_ENV] = env[threads.CHOSEN_ENV] = str(devices.threads_per_worker(self.workers))
+        # TensorFlow's INFO lines (its coordination service's "Waiting for 1/2 tasks to
+        # connect", barriers, memory patches) are the gang's start-up chatter, not the user's
+        # business; warnings and errors still print. A user's own setting wins.
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
         return env
 
     def _pump(self, index: int, stream, output) -> None:
@@ -298,6 +306,8 @@ class Launcher:
         worker_env: variables added to one worker's environment, by worker index (its GPUs).
         min_workers: the fewest workers a gang may shrink to (None: never shrink).
         shrink_after: failures in a row of one worker after which the gang loses a worker.
+        report: print where each worker's time went after every run, not only a failed one,
+            and ask the workers for every epoch's straggler table (`KERAS_MWMS_REPORT=1`).
     """
 
     def __init__(self, command: Sequence[str], workers: int, max_restarts: int = 0,
@@ -305,7 +315,7 @@ class Launcher:
                  grace_period: float = DEFAULT_GRACE_PERIOD_SECONDS, log=None, output=None,
                  worker_env: dict[int, dict[str, str]] | None = None,
                  no_progress_seconds: float | None = DEFAULT_NO_PROGRESS_SECONDS,
-                 min_workers: int | None = None, shrink_after: int = 2):
+                 min_workers: int | None = None, shrink_after: int = 2, report: bool = False):
         if max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
         if min_workers is not None and not 1 <= min_workers <= workers:
@@ -315,6 +325,7 @@ class Launcher:
             raise ValueError(f"--shrink-after must be >= 1, got {shrink_after}")
         self.min_workers = min_workers
         self.shrink_after = shrink_after
+        self.report = report   # every table, also of a healthy run (`--report`)
         self._failures_in_a_row: tuple[int | None, int] = (None, 0)   # (worker, count)
         self.command = list(command)
         self.workers = workers
@@ -407,13 +418,16 @@ class Launcher:
             self._say(f"attempt {attempt + 1}/{self.max_restarts + 1}: starting {self.workers} "
                       f"worker(s) at {', '.join(self.gang.addresses)}")
             collector = self._hang_collector()
+            if self.report:
+                self.gang.extra_env[REPORT_ENV] = "1"
             started = time.monotonic()
             self.gang.start(self.output)
+            code: int | None = None
             try:
                 code, index = self._wait_for_gang()
             finally:
                 overdue = self._stop_gang()
-                self._close_hang_collector(collector)
+                self._close_hang_collector(collector, show_times=self.report or code != 0)
             elapsed = time.monotonic() - started
             if self._signalled is not None:
                 return self._report_signal(elapsed, overdue)
@@ -461,12 +475,13 @@ class Launcher:
         collector.start()
         return collector
 
-    def _close_hang_collector(self, collector) -> None:
-        """Stops listening; prints where each worker's time went (data, compute, collectives)."""
+    def _close_hang_collector(self, collector, show_times: bool) -> None:
+        """Stops listening; with `show_times` (a failed run, or `--report`), prints where each
+        worker's time went (data, compute, collectives)."""
         if collector is None:
             return
         collector.close()
-        table = collector.time_table()
+        table = collector.time_table() if show_times else ""
         if table:
             self._say("where each worker's time went (seconds; from its collective ledger):")
             for line in table.splitlines():
@@ -506,6 +521,10 @@ def build_parser(prog: str = "python -m keras_mwms.launch") -> argparse.Argument
                         metavar="SECONDS", help="ask every worker for a hang report when none made progress (a train "
                              f"step or a collective) this long (default {DEFAULT_NO_PROGRESS_SECONDS:g}; "
                              "0: never); the verdict is printed here too")
+    parser.add_argument("--report", action="store_true",
+                        help="print where each worker's time went after every run (by default "
+                             "only after a failed one) and every epoch's straggler table (by "
+                             "default only one that names a straggler)")
     parser.add_argument("-m", dest="module", default=None,
                         help="run a module (like python -m) instead of a script")
     parser.add_argument("script_and_args", nargs=argparse.REMAINDER,
@@ -587,7 +606,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m keras_mwms.la
     launcher = Launcher(command, arguments.workers, arguments.max_restarts, arguments.host,
                         arguments.port_base, arguments.grace_period, worker_env=worker_env,
                         no_progress_seconds=arguments.no_progress_seconds or None,
-                        min_workers=arguments.min_workers, shrink_after=arguments.shrink_after)
+                        min_workers=arguments.min_workers, shrink_after=arguments.shrink_after,
+                        report=arguments.report)
     return launcher.run()
 
 

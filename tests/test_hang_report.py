@@ -167,6 +167,23 @@ class _Ending(Watchdog):
         self._collect_until = self._verdict_until = None
 
 
+def test_the_launchers_time_table_has_nothing_to_say_before_a_first_step():
+    """A script that failed before training (a NameError) gets no table of zeros."""
+    from keras_mwms.diagnostics.collector import HangCollector
+
+    collector = HangCollector(["127.0.0.1:1", "127.0.0.1:2"], log=io.StringIO())
+    try:
+        for worker in (0, 1):
+            collector.on_message({"type": "progress", "worker": worker, "step": 0, "sequence": 0,
+                                  "totals": {"data": 0.0, "compute": 0.0, "collective": 0.0, "steps": 0}})
+        assert collector.time_table() == ""
+        collector.on_message({"type": "progress", "worker": 1, "step": 2, "sequence": 5,
+                              "totals": {"data": 0.1, "compute": 0.2, "collective": 0.3, "steps": 2}})
+        assert "worker 1" in collector.time_table()
+    finally:
+        collector.close()
+
+
 def test_two_watchdogs_and_a_launcher_agree_on_one_verdict():
     """In-process: worker 1 waits in a collective, worker 0 is busy elsewhere; the launcher
     asks after no progress; worker 0 decides, worker 1 and the launcher print its verdict."""

@@ -3,8 +3,9 @@
 Each gang (`tests/workers/hang_scenario.py --fault none`) runs a warm-up fit, a fit of 2
 epochs as it is, then a fit of 2 epochs where worker 1's PyDataset sleeps 50 ms per batch.
 The chief's epoch reports must name nobody in the plain fit and worker 1 in every epoch of the
-delayed one; `keras_mwms.callbacks.TensorBoard` on the chief writes the per-worker times; the
-launcher prints its end-of-run table. Nothing here imports keras or a backend in the pytest
+delayed one; `keras_mwms.callbacks.TensorBoard` on the chief writes the per-worker times; with
+`--report` the chief prints every epoch's table (also "straggler: none") and the launcher its
+end-of-run table (without it, a healthy run prints neither: `tests/test_quiet_runs.py`). Nothing here imports keras or a backend in the pytest
 process.
 """
 
@@ -18,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from keras_mwms.diagnostics.straggler import format_report, stragglers
+from keras_mwms.diagnostics.straggler import REPORT_ENV, format_report, stragglers, worth_printing
 from tests.multiworker import REPO, WORKERS_DIR, run_launcher, worker_env
 
 sys.path.insert(0, str(REPO / "tests" / "workers"))
@@ -42,11 +43,23 @@ def test_the_straggler_is_the_worker_whose_own_work_exceeds_the_median():
     assert stragglers({0: even[0]}) == []
     text = format_report(1, slow, [2], missing=[5])
     assert "straggler: worker 2" in text and "worker 5: no times arrived" in text
+    assert text.startswith("keras_mwms epoch 2:")   # numbered as Keras' "Epoch 2/N"
+
+
+def test_a_table_is_printed_when_it_names_someone_or_on_request(monkeypatch):
+    monkeypatch.delenv(REPORT_ENV, raising=False)
+    assert worth_printing([1], []) and worth_printing([], [1])
+    assert not worth_printing([], [])
+    slow = {0: {"data": 0.0, "compute": 0.30}, 1: {"data": 0.9, "compute": 0.30}}
+    jitter = {0: {"data": 0.0, "compute": 0.030}, 1: {"data": 0.0, "compute": 0.080}}
+    assert worth_printing([1], [], slow) and not worth_printing([1], [], jitter)
+    monkeypatch.setenv(REPORT_ENV, "1")
+    assert worth_printing([], [])
 
 
 def _run(backend: str, out: str):
     marker = f"kmwms-straggler-{uuid.uuid4().hex[:12]}"
-    return run_launcher(["--workers", "2", "--grace-period", "3"],
+    return run_launcher(["--workers", "2", "--grace-period", "3", "--report"],
                         [str(WORKERS_DIR / "hang_scenario.py"), out, "--fault", "none", "--delay", str(DELAY),
                          "--epochs", str(EPOCHS), "--batches", str(BATCHES), "--tensorboard",
                          os.path.join(out, "tb"), "--marker", marker],

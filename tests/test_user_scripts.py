@@ -370,3 +370,22 @@ def test_per_worker_batch_norm_statistics_are_an_explicit_choice(runs, three_wor
                                          runs.reference_weights("batchnorm_default"))
     print(f"{runs.backend} per-worker BatchNormalization, {workers} workers: max|Δw| vs one process = {delta:.3g}")
     assert delta > 100 * WEIGHT_TOLERANCE, f"{runs.backend}: per-worker statistics changed nothing ({delta:.3g})"
+
+
+def test_one_worker_changing_state_makes_every_worker_raise(runs):
+    """The safety net (`keras_mwms.backends.consistency`): worker 1 alone nudges a BatchNorm
+    moving mean at the end of a fit, then before a ModelCheckpoint save; every worker raises
+    `WorkersDifferError` naming that variable, at the end of fit and at the checkpoint. The
+    healthy fits of every other variant pass the same check silently."""
+    variant = "one_worker_nudges_state"
+    assert runs.reference(variant)["caught"] == []
+    for worker in range(2):
+        result = runs.result(variant, worker)
+        caught, path = result["caught"], result["moving_mean_path"]
+        assert [entry["type"] for entry in caught] == ["WorkersDifferError"] * 2, caught
+        assert "after model.fit()" in caught[0]["message"], caught[0]["message"]
+        assert "after ModelCheckpoint at epoch 1" in caught[1]["message"], caught[1]["message"]
+        for entry in caught:
+            assert entry["variable"] == path and entry["workers"] == [1], entry
+            assert f"worker {worker}: " in entry["message"] and path in entry["message"], entry["message"]
+

@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from keras_mwms import diagnostics
-from keras_mwms.backends import model_scope, policy
+from keras_mwms.backends import consistency, model_scope, policy
 from keras_mwms.backends.patches import PatchTable
 from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver
 from keras_mwms.communication import CommunicationOptions
@@ -218,6 +218,17 @@ class Backend(abc.ABC):
         """One seed for every worker: the chief's `own`, or one the chief draws when it has none."""
         chosen = own if own is not None else random.SystemRandom().randrange(2**31 - 1)
         return int(self.broadcast_object(chosen))
+
+    def trains_on_all_workers(self, model: Any) -> bool:
+        """Whether `model` trains synchronously on every worker (a backend may exempt models
+        created outside its scope, which train on each worker alone)."""
+        return True
+
+    def check_workers_agree(self, model: Any, where: str) -> None:
+        """Raises `keras_mwms.WorkersDifferError` on every worker if the workers' model or
+        optimizer variables differ (`keras_mwms.backends.consistency`); every worker calls it."""
+        if self.trains_on_all_workers(model):
+            consistency.check_model(self, model, where)
 
     def worker_lost(self, where: str, error: BaseException, lost_ranks: list[int]) -> NoReturn:
         """Raises `keras_mwms.WorkerLostError` in the one format, with the bounded exit armed."""

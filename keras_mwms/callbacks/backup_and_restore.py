@@ -302,6 +302,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         # Every worker reads its (mirrored) state so that backends whose reads involve
         # collectives stay in step; only the chief writes.
         arrays = [keras.ops.convert_to_numpy(variable.value) for variable in variables]
+        coordination.check_workers_agree(self.model, f"BackupAndRestore's backup at epoch {epoch}, step {step}")
         if not coordination.is_chief():
             return
         metadata = {

@@ -84,3 +84,11 @@ def sync_model_state(model) -> None:
     sync = getattr(model, "jax_state_sync", None)
     if callable(sync):
         sync()
+
+
+def check_workers_agree(model, where: str) -> None:
+    """Raises `keras_mwms.WorkersDifferError` on every worker if their variables differ
+    (see `keras_mwms.backends.consistency`); nothing without a multi-worker strategy."""
+    strategy = get_strategy()
+    if strategy is not None and strategy.num_workers > 1:
+        strategy.backend.check_workers_agree(model, where)

@@ -55,6 +55,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
                 f"existing directory: {filepath}"
             )
         coordination.sync_model_state(self.model)
+        coordination.check_workers_agree(self.model, f"ModelCheckpoint at epoch {epoch + 1}")
         if coordination.is_chief():
             suffix = ".weights.h5" if filepath.endswith(".weights.h5") else os.path.splitext(filepath)[1]
             try:

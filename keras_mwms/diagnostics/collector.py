@@ -127,8 +127,9 @@ class HangCollector:
         self.log.flush()
 
     def time_table(self) -> str:
-        """Where each worker's time went, from its last progress message (empty if none came)."""
-        if not self.progress:
+        """Where each worker's time went, from its last progress message (empty if none came,
+        or no worker trained a step: a script that failed before training has nothing to say)."""
+        if not any(entry.get("totals", {}).get("steps", 0) for entry in self.progress.values()):
             return ""
         lines = [f"{'':<12}{'steps':>8}{'data s':>10}{'compute s':>10}{'coll. s':>10}"]
         for worker in sorted(self.progress):

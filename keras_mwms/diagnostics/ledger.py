@@ -19,7 +19,8 @@ step on every worker, so sequence numbers stay comparable.
 Time accounting for the straggler table: `totals` holds seconds spent waiting for data
 (`data`: making batches, on whichever thread), inside collectives (`collective`) and in the
 rest of the step (`compute`: the step's wall time minus its collective and main-thread data
-time). The cost per step is a few `time.monotonic()` calls and one tuple appended to a deque
+time; a step whose collectives run inside one compiled graph is all `collective`, and
+counted in `in_graph_steps`). The cost per step is a few `time.monotonic()` calls and one tuple appended to a deque
 (see `python -m keras_mwms.benchmark --no-ledger`); `KERAS_MWMS_LEDGER=0` turns it all off.
 
 Example:
@@ -138,6 +139,7 @@ class _Step:
         seconds = time.monotonic() - self.started
         ledger.totals["compute"] += max(0.0, seconds - ledger._step_excluded)
         ledger.totals["steps"] += 1
+        ledger.totals["in_graph_steps"] += self.in_graph
         ledger.in_step = False
         ledger.phase = "callback"
         return False
@@ -193,7 +195,7 @@ class Ledger:
         self.data_since: float | None = None
         self.data_thread: int | None = None
         self.main_thread = threading.main_thread().ident
-        self.totals = {"data": 0.0, "compute": 0.0, "collective": 0.0, "steps": 0}
+        self.totals = {"data": 0.0, "compute": 0.0, "collective": 0.0, "steps": 0, "in_graph_steps": 0}
         self.kinds: collections.Counter[str] = collections.Counter()   # collectives left, by kind
         self._depth = 0
         self._step_excluded = 0.0

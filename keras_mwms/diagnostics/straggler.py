@@ -12,8 +12,11 @@ on fast steps names nobody).
 At every epoch end of `fit` (a patch row on Keras' `CallbackList.on_epoch_end`, before the
 callbacks run) each worker sends its epoch's times to the chief over the side channel — no
 collective, so a model trained on one worker alone cannot hang the others — and the chief,
-after waiting at most `GATHER_SECONDS` for them, prints the table and the straggler, and
-keeps the report for `keras_mwms.callbacks.TensorBoard` (`last_epoch_report`).
+after waiting at most `GATHER_SECONDS` for them, keeps the report for
+`keras_mwms.callbacks.TensorBoard` (`last_epoch_report`). The table is printed, after the
+epoch's callbacks (so after Keras' progress line), only when it says something — a straggler
+named that cost the epoch `PRINT_MIN_SECONDS` or more, a worker's times missing — or on request: `KERAS_MWMS_REPORT=1` (the launcher's
+`--report`). Epochs are numbered from 1, as Keras' "Epoch 1/3".
 
 Example:
 
@@ -22,11 +25,12 @@ Example:
 >>> stragglers(times)
 [1]
 >>> print(format_report(3, times, [1]).splitlines()[0])
-keras_mwms epoch 3: seconds per worker (data wait / compute / collective wait); straggler: worker 1
+keras_mwms epoch 4: seconds per worker (data wait / compute / collective wait); straggler: worker 1
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -39,7 +43,9 @@ from keras_mwms.diagnostics.ledger import LEDGER
 RELATIVE_THRESHOLD = 0.2
 ABSOLUTE_THRESHOLD_SECONDS = 0.005
 GATHER_SECONDS = 2.0
-KEYS = ("data", "compute", "collective", "steps")
+KEYS = ("data", "compute", "collective", "steps", "in_graph_steps")
+REPORT_ENV = "KERAS_MWMS_REPORT"
+PRINT_MIN_SECONDS = 0.5
 
 _state: dict[str, Any] = {"epochs": 0, "previous": None, "last": None}
 
@@ -56,15 +62,55 @@ def stragglers(times: dict[int, dict]) -> list[int]:
                   and seconds - median > ABSOLUTE_THRESHOLD_SECONDS * steps)
 
 
+def reports_requested() -> bool:
+    """Whether the user asked for every table (`KERAS_MWMS_REPORT=1`, the launcher's `--report`).
+
+    Example:
+
+    >>> reports_requested() in (True, False)
+    True
+    """
+    return os.environ.get(REPORT_ENV, "").strip().lower() in ("1", "true", "on", "yes")
+
+
+def worth_printing(slow: list[int], missing: list[int], times: dict[int, dict] | None = None) -> bool:
+    """An epoch table is printed when it names a silent worker, or a straggler whose own work
+    exceeds the fastest worker's by `PRINT_MIN_SECONDS` or more (a few milliseconds of jitter on
+    a busy machine name someone too, and say nothing), or on request.
+
+    Example:
+
+    >>> times = {0: {"data": 0.0, "compute": 0.2}, 1: {"data": 0.9, "compute": 0.2}}
+    >>> worth_printing([1], [], times), worth_printing([], [1]), worth_printing([], []) == reports_requested()
+    (True, True, True)
+    """
+    if missing or reports_requested():
+        return True
+    if not slow or times is None:
+        return bool(slow)
+    own = {worker: entry["data"] + entry["compute"] for worker, entry in times.items()}
+    fastest = min(own.values())   # what the others waited for, roughly
+    return any(own[worker] - fastest >= PRINT_MIN_SECONDS for worker in slow)
+
+
 def format_report(epoch: int, times: dict[int, dict], slow: list[int], missing: list[int] = ()) -> str:
-    """The chief's epoch report: one line per worker, the straggler named (or nobody)."""
+    """The chief's report of `epoch` (0-based, printed 1-based as Keras does): one line per
+    worker, the straggler named (or nobody)."""
     named = ", ".join(f"worker {worker}" for worker in slow) or "none"
-    lines = [f"keras_mwms epoch {epoch}: seconds per worker (data wait / compute / collective wait); "
+    lines = [f"keras_mwms epoch {epoch + 1}: seconds per worker (data wait / compute / collective wait); "
              f"straggler: {named}"]
+    in_graph = False
     for worker in sorted(times):
         entry = times[worker]
-        lines.append(f"  worker {worker}: {entry['data']:.3f} / {entry['compute']:.3f} / "
+        # A step compiled with its collectives (TensorFlow) cannot be split: "-", not 0.000.
+        whole = int(entry.get("in_graph_steps", 0)) >= int(entry["steps"]) > 0
+        in_graph |= whole
+        compute = "-" if whole else f"{entry['compute']:.3f}"
+        lines.append(f"  worker {worker}: {entry['data']:.3f} / {compute} / "
                      f"{entry['collective']:.3f} over {int(entry['steps'])} step(s)")
+    if in_graph:
+        lines.append("  (-: the step's compute and collectives run in one compiled graph; the "
+                     "last column holds both)")
     for worker in missing:
         lines.append(f"  worker {worker}: no times arrived within {GATHER_SECONDS:g} s")
     return "\n".join(lines)
@@ -88,16 +134,17 @@ def _epoch_times() -> dict:
     return {key: round(totals[key] - previous[key], 6) for key in KEYS}
 
 
-def on_epoch_end(epoch: int, watchdog: Any, output=None) -> dict | None:
-    """Sends this worker's epoch times to the chief; on the chief, gathers, prints and returns the report."""
+def on_epoch_end(epoch: int, watchdog: Any) -> tuple[dict | None, str]:
+    """Sends this worker's epoch times to the chief; on the chief, gathers and returns the report
+    and the text to print (empty unless `worth_printing`)."""
     own = _epoch_times()
     if not own["steps"]:
-        return None   # no distributed train step this epoch (a model trained on one worker alone)
+        return None, ""   # no distributed train step this epoch (a model trained on one worker alone)
     _state["epochs"] += 1
     number = _state["epochs"]
     if watchdog.index != 0:
         watchdog.send_to(0, {"type": "epoch", "worker": watchdog.index, "number": number, "times": own})
-        return None
+        return None, ""
     deadline = time.monotonic() + GATHER_SECONDS
     times = {0: own}
     while len(times) < watchdog.num_workers and time.monotonic() < deadline:
@@ -108,10 +155,7 @@ def on_epoch_end(epoch: int, watchdog: Any, output=None) -> dict | None:
     slow = stragglers(times)
     report = {"epoch": epoch, "times": times, "stragglers": slow}
     _state["last"] = report
-    stream = output or sys.stdout
-    stream.write(format_report(epoch, times, slow, missing) + "\n")
-    stream.flush()
-    return report
+    return report, (format_report(epoch, times, slow, missing) if worth_printing(slow, missing, times) else "")
 
 
 def _reporting_on_epoch_end(original: Callable) -> Callable:
@@ -119,9 +163,14 @@ def _reporting_on_epoch_end(original: Callable) -> Callable:
         from keras_mwms import diagnostics
 
         watchdog = diagnostics.active_watchdog()
+        text = ""
         if watchdog is not None and LEDGER.enabled:
-            on_epoch_end(epoch, watchdog)
-        return original(self, epoch, *args, **kwargs)
+            _, text = on_epoch_end(epoch, watchdog)
+        result = original(self, epoch, *args, **kwargs)
+        if text:   # after the callbacks: below Keras' finished progress line, not inside it
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
+        return result
 
     return on_epoch_end_hook
 

@@ -671,6 +671,60 @@ def variant_batchnorm_transfer_learning():
     return model, {"history": flat, **_moving_statistics(model)}
 
 
+class _NudgeOnWorker1(keras.callbacks.Callback):
+    """Worker 1 alone adds 1e-3 to the BatchNormalization moving mean at `hook`; every worker
+    reads and assigns (worker 0 its own value), so a collective a read may be stays paired."""
+
+    def __init__(self, hook: str):
+        super().__init__()
+        self.hook, self.saved = hook, None
+
+    def _variable(self):
+        return next(layer for layer in self.model.layers
+                    if isinstance(layer, keras.layers.BatchNormalization)).moving_mean
+
+    def _nudge(self):
+        self.saved = np.array(keras.ops.convert_to_numpy(self._variable().value))
+        self._variable().assign(self.saved + (1e-3 if INDEX == 1 else 0.0))
+
+    def restore(self):
+        if self.saved is not None:
+            self._variable().assign(self.saved)
+
+    def on_train_end(self, logs=None):
+        if self.hook == "train_end":
+            self._nudge()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.hook == "epoch_end":
+            self._nudge()
+
+
+def variant_one_worker_nudges_state():
+    """The safety net: worker 1 alone changes a moving mean at the end of a fit, then before a
+    ModelCheckpoint save; every worker must raise WorkersDifferError naming it (the plain
+    reference nudges nothing). The nudge is undone after each, so the weights still equal
+    plain Keras'."""
+    x, y = regression()
+    callbacks = keras.callbacks if strategy is None else keras_mwms.callbacks
+    checkpoint = os.path.join(arguments.out, "one_worker_nudges_state", f"w{INDEX}.weights.h5")
+    with scope():
+        # JAX trains BatchNormalization on global arrays (DataParallel): global moments already.
+        model = common.mlp(batch_norm=True, synchronized=strategy is not None and BACKEND != "jax")
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    caught = []
+    for hook, extra in (("train_end", []),
+                        ("epoch_end", [callbacks.ModelCheckpoint(checkpoint, save_weights_only=True)])):
+        nudge = _NudgeOnWorker1(hook)
+        try:
+            fit_arrays(model, x, y, epochs=1, callbacks=[nudge, *extra])
+        except RuntimeError as error:
+            caught.append({"type": type(error).__name__, "message": str(error),
+                           "variable": getattr(error, "variable", None), "workers": getattr(error, "workers", None)})
+        nudge.restore()
+    return model, {"caught": caught, "moving_mean_path": nudge._variable().path}
+
+
 VARIANTS = {name[len("variant_"):]: function for name, function in sorted(globals().items())
             if name.startswith("variant_")}
 

@@ -183,8 +183,13 @@ def _fit_global_batches(model, backend, values, call):
     values.update(x=train, y=None, batch_size=None, verbose=_quiet_unless_chief(backend, values["verbose"]),
                   validation_split=0.0, validation_data=validation_data, shuffle=False,
                   class_weight=None, sample_weight=None, validation_batch_size=None)
+    def fit_and_check():
+        history = call()
+        backend.check_workers_agree(model, "model.fit()")
+        return history
+
     with _model_context(backend, model, path):
-        return backend.faults.running_user_code("model.fit", call)
+        return backend.faults.running_user_code("model.fit", fit_and_check)
 
 
 @_with_named_arguments

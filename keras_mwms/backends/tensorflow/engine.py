@@ -254,6 +254,9 @@ class TensorFlowBackend(Backend):
         """Whether `model` was built in this backend's scope (it then trains on all workers)."""
         return self.strategy is not None and getattr(model, "_distribute_strategy", None) is self.strategy
 
+    def trains_on_all_workers(self, model: Any) -> bool:
+        return self.uses(model)
+
     def raise_if_worker_lost(self, where: str, error: BaseException) -> None:
         """Turns TF's lost-peer errors (heartbeats, aborted collectives) into `WorkerLostError`.
 
@@ -312,9 +315,18 @@ class TensorFlowBackend(Backend):
 
     # -- collective port ------------------------------------------------------------------
     def _all_reduce_sum(self, array: np.ndarray, contributing_replica: int | None = None) -> np.ndarray:
-        """SUM of `array` over workers; only `contributing_replica` adds it if given (others add 0)."""
+        """SUM of `array` over workers; only `contributing_replica` adds it if given (others add 0).
+
+        Every call travels as one flat float64 vector, so the one traced function below is
+        traced twice in a job (its first shape, then any length) instead of once per dtype,
+        rank and size, which made TF warn of retracing. Exact for what the port carries:
+        integers below 2**53 (counts, flags, int32 words of a broadcast) and float32/float64
+        values gathered between zeros.
+        """
         import tensorflow as tf
 
+        array = np.asarray(array)
+        flat = array.astype(np.float64).reshape(-1)
         first_local_replica = self.worker_index * self.replicas_per_worker
 
         def value_for(context):
@@ -323,11 +335,12 @@ class TensorFlowBackend(Backend):
                 keep = replica == first_local_replica
             else:
                 keep = replica == contributing_replica
-            return tf.constant(array if keep else np.zeros_like(array))
+            return tf.constant(flat if keep else np.zeros_like(flat))
 
         per_replica = self.strategy.experimental_distribute_values_from_function(value_for)
         with LEDGER.collective("all-reduce (sum)", array.nbytes):
-            return np.asarray(self._traced_sum(per_replica))
+            total = np.asarray(self._traced_sum(per_replica))
+        return total.reshape(array.shape).astype(array.dtype)
 
     @functools.cached_property
     def _traced_sum(self):

@@ -76,7 +76,10 @@ def trainer_method(method_name: str, backend: Any) -> Callable[[Callable], Calla
                 in_keras_loop = (backend.row_weighting.keras_loop(model)
                                  if ours and method_name in ("fit", "evaluate") else contextlib.nullcontext())
                 with in_keras_loop:
-                    return original(*bound.args, **bound.kwargs)
+                    result = original(*bound.args, **bound.kwargs)
+                if method_name == "fit" and ours:
+                    backend.check_workers_agree(model, "model.fit()")
+                return result
             except Exception as error:
                 if backend is not None and backend.uses(model):
                     backend.raise_if_worker_lost(f"model.{method_name}()", error)

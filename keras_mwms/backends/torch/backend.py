@@ -13,6 +13,7 @@ from keras_mwms.backends.patches import PatchTable
 from keras_mwms.backends.torch import data, patches
 from keras_mwms.backends.torch.engine import TorchEngine
 from keras_mwms.backends.torch.scope import ScopeVariables
+from keras_mwms.backends.torch.state import backend_of
 from keras_mwms.cluster import ClusterResolver
 from keras_mwms.communication import CommunicationOptions
 from keras_mwms.data import InputContext
@@ -69,6 +70,9 @@ class TorchBackend(TorchEngine):
     @property
     def in_scope(self) -> bool:
         return self._scope_variables.active
+
+    def trains_on_all_workers(self, model: Any) -> bool:
+        return backend_of(model) is self
 
     def note_new_variable(self, variable) -> None:
         """Called for every new Keras variable; those created in `scope()` are agreed at its exit."""

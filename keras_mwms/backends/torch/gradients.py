@@ -298,13 +298,29 @@ def synchronized_moments(backend: TorchEngine, inputs, axes):
     return mean.to(inputs.dtype), variance.to(inputs.dtype)
 
 
+class _SumOverWorkers(torch.autograd.Function):
+    """A sum over workers whose gradient is the sum of the workers' gradients: what
+    `torch.distributed.nn.functional.all_reduce` does, without its FutureWarning (it is
+    deprecated for compiled collectives that Keras' eager step does not use)."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        total = tensor.clone()
+        torch.distributed.all_reduce(total)
+        return total
+
+    @staticmethod
+    def backward(ctx, gradient):
+        total = gradient.contiguous().clone()
+        torch.distributed.all_reduce(total)
+        return total
+
+
 @torch._dynamo.disable
 def _differentiable_all_reduce(backend: TorchEngine, tensor):
-    """Sum over workers through which gradients flow back (torch.distributed.nn)."""
+    """Sum over workers through which gradients flow back."""
     if not backend.distributed:
         return tensor
-    from torch.distributed.nn import functional as distributed_functional
-
     what = "BatchNormalization all-reduce"   # its backward all-reduce runs inside autograd
     with LEDGER.collective(what, tensor.numel() * tensor.element_size()), backend.guarded(what):
-        return distributed_functional.all_reduce(tensor)
+        return _SumOverWorkers.apply(tensor)

@@ -54,7 +54,8 @@ def _quiet_unless_chief(backend, arguments: dict) -> dict:
 # -- TorchTrainer -------------------------------------------------------------------------
 def _sharded(shard_inputs: Callable, fit: bool = False) -> Callable:
     """`fit`/`evaluate` of a tagged model on this worker's shard of the global batches; `fit` of
-    an untagged one is refused while the strategy is active (`model_scope`)."""
+    an untagged one is refused while the strategy is active (`model_scope`), and a `fit` first
+    checks TF_CONFIG and ends with the workers-agree check."""
     def replacement(original: Callable) -> Callable:
         @functools.wraps(original)
         def run_on_shard(self, *args, **kwargs):
@@ -65,8 +66,11 @@ def _sharded(shard_inputs: Callable, fit: bool = False) -> Callable:
                 return original(self, *args, **kwargs)
             if fit:
                 backend.check_tf_config_unchanged(stacklevel=2)
-            return original(self, **_quiet_unless_chief(
+            result = original(self, **_quiet_unless_chief(
                 backend, shard_inputs(backend, original, args, kwargs, model=self)))
+            if fit:
+                backend.check_workers_agree(self, "model.fit()")
+            return result
 
         return run_on_shard
 
