@@ -89,6 +89,6 @@ def sync_model_state(model) -> None:
 def check_workers_agree(model, where: str) -> None:
     """Raises `keras_mwms.WorkersDifferError` on every worker if their variables differ
     (see `keras_mwms.backends.consistency`); nothing without a multi-worker strategy."""
-    strategy = get_strategy()
+    strategy = active.active_strategy()
     if strategy is not None and strategy.num_workers > 1:
         strategy.backend.check_workers_agree(model, where)
