@@ -191,6 +191,7 @@ class Ledger:
         self.in_step = False
         self.current: Entry | None = None
         self.call = ""   # the Keras method running the current train step (fit, train_on_batch)
+        self.open_calls = 0   # fit/evaluate loops begun and not ended (`diagnostics.open_calls`)
         self.data_batch: int | None = None
         self.data_since: float | None = None
         self.data_thread: int | None = None

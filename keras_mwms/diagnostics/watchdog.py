@@ -242,7 +242,8 @@ class Watchdog:
     def announce_leaving(self) -> None:
         """Tells every peer this worker left the job after its last collective; once, and only
         when it ends well (not after a failed collective or an error leaving the script)."""
-        if self._announced_leaving or self._failed or self._escaping or getattr(sys, "last_value", None):
+        if (self._announced_leaving or self._failed or self._escaping or getattr(sys, "last_value", None)
+                or self.ledger.open_calls):   # it left a fit/evaluate loop by an error: a lost worker
             return
         self._announced_leaving = True
         message = {"type": "left", "worker": self.index, "sequence": self.ledger.sequence,
