@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from keras_mwms.benchmark.compression_worker import mlp_parameters
-from keras_mwms.benchmark.config import BACKENDS
+from keras_mwms.benchmark.gang_options import chosen_backends, gang_parser
 from keras_mwms.benchmark.report import format_table
 from keras_mwms.benchmark.runner import gang_environment
 from keras_mwms.launch import find_free_ports
@@ -110,17 +110,9 @@ def _counts(text: str) -> list[int]:
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"{prog} accumulation", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated (default all three)")
+    parser = gang_parser(prog, "accumulation", __doc__.split("\n\n")[0], steps=48, warmup=8, repeats=2,
+                         width=1024, global_batch=64, timeout=900, unit="micro-steps")
     parser.add_argument("--k", type=_counts, default=[1, 4], help="accumulation steps, comma-separated (default 1,4)")
-    parser.add_argument("--steps", type=int, default=48, help="timed micro-steps per fit (default 48)")
-    parser.add_argument("--warmup", type=int, default=8, help="untimed first micro-steps (default 8)")
-    parser.add_argument("--repeats", type=int, default=2, help="fits per K, best counts (default 2)")
-    parser.add_argument("--width", type=int, default=1024, help="MLP width (default 1024)")
-    parser.add_argument("--depth", type=int, default=3, help="MLP hidden layers (default 3)")
-    parser.add_argument("--global-batch", type=int, default=64, help="examples per micro-step (default 64)")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds one gang may run (default 900)")
-    parser.add_argument("--out", default="build/accumulation", help="output folder (default build/accumulation)")
     return parser
 
 
@@ -128,10 +120,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m keras_mwms.be
     """Runs the measurement; prints the table and writes accumulation.json under --out."""
     parser = build_parser(prog)
     arguments = parser.parse_args(argv)
-    backends = [name.strip() for name in arguments.backends.split(",") if name.strip()]
-    unknown = sorted(set(backends) - set(BACKENDS))
-    if unknown:
-        parser.error(f"unknown backends {unknown}; choose from {', '.join(BACKENDS)}")
+    backends = chosen_backends(parser, arguments.backends)
     out = Path(arguments.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = {"steps": arguments.steps, "warmup": arguments.warmup, "width": arguments.width,

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from keras_mwms.benchmark.accumulation import run_gang
-from keras_mwms.benchmark.config import BACKENDS
+from keras_mwms.benchmark.gang_options import chosen_backends, gang_parser
 from keras_mwms.benchmark.report import format_table
 
 HEADERS = ["backend", "statistics", "BN layers", "ms/step", "cost vs per_worker", "collectives/step"]
@@ -60,27 +60,15 @@ def rows_for(backend: str, measured: list[dict]) -> list[list[object]]:
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"{prog} batchnorm", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated (default all three)")
-    parser.add_argument("--steps", type=int, default=40, help="timed steps per fit (default 40)")
-    parser.add_argument("--warmup", type=int, default=8, help="untimed first steps (default 8)")
-    parser.add_argument("--repeats", type=int, default=2, help="fits per choice, best counts (default 2)")
-    parser.add_argument("--width", type=int, default=256, help="MLP width (default 256)")
-    parser.add_argument("--depth", type=int, default=3, help="hidden Dense + BatchNormalization pairs (default 3)")
-    parser.add_argument("--global-batch", type=int, default=64, help="examples per step (default 64)")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds one gang may run (default 900)")
-    parser.add_argument("--out", default="build/batchnorm", help="output folder (default build/batchnorm)")
-    return parser
+    return gang_parser(prog, "batchnorm", __doc__.split("\n\n")[0], steps=40, warmup=8, repeats=2, width=256,
+                       global_batch=64, timeout=900, depth_help="hidden Dense + BatchNormalization pairs")
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m keras_mwms.benchmark") -> int:
     """Runs the measurement; prints the table and writes batchnorm.json under --out."""
     parser = build_parser(prog)
     arguments = parser.parse_args(argv)
-    backends = [name.strip() for name in arguments.backends.split(",") if name.strip()]
-    unknown = sorted(set(backends) - set(BACKENDS))
-    if unknown:
-        parser.error(f"unknown backends {unknown}; choose from {', '.join(BACKENDS)}")
+    backends = chosen_backends(parser, arguments.backends)
     out = Path(arguments.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = {"steps": arguments.steps, "warmup": arguments.warmup, "width": arguments.width,

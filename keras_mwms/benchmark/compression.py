@@ -39,9 +39,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from keras_mwms.benchmark.compression_worker import mlp_parameters
+from keras_mwms.benchmark.gang_options import chosen_backends, gang_parser
 from keras_mwms.benchmark.report import format_table
 
-BACKENDS = ("tensorflow", "jax", "torch")
 COMPRESSIONS = (None, "bf16", "fp16")
 _UNITS = {"kbit": 10 ** 3, "mbit": 10 ** 6, "gbit": 10 ** 9}
 
@@ -173,19 +173,12 @@ HEADERS = ["link", "backend", "compression", "ms/step", "speed-up", "wire MB/ste
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"{prog} compression", description=__doc__.split("\n\n")[0])
+    parser = gang_parser(prog, "compression", __doc__.split("\n\n")[0], steps=6, warmup=2, width=2176,
+                         global_batch=32, timeout=900, width_help=": ~10 M parameters")
     parser.add_argument("--link", type=lambda text: [(part.strip(), parse_rate(part)) for part in text.split(",")
                                                      if part.strip()],
                         default=[("1gbit", 10 ** 9), ("100mbit", 10 ** 8)],
                         help="tc rates, comma-separated (default 1gbit,100mbit)")
-    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated (default all three)")
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per fit (default 6)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed first steps (default 2)")
-    parser.add_argument("--width", type=int, default=2176, help="MLP width (default 2176: ~10 M parameters)")
-    parser.add_argument("--depth", type=int, default=3, help="MLP hidden layers (default 3)")
-    parser.add_argument("--global-batch", type=int, default=32, help="examples per step (default 32)")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds one gang may run (default 900)")
-    parser.add_argument("--out", default="build/compression", help="output folder (default build/compression)")
     return parser
 
 
@@ -194,10 +187,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m keras_mwms.be
     parser = build_parser(prog)
     arguments = parser.parse_args(argv)
     links = arguments.link
-    backends = [name.strip() for name in arguments.backends.split(",") if name.strip()]
-    unknown = sorted(set(backends) - set(BACKENDS))
-    if unknown:
-        parser.error(f"unknown backends {unknown}; choose from {', '.join(BACKENDS)}")
+    backends = chosen_backends(parser, arguments.backends)
     reason = not_runnable_reason()
     if reason:
         print(f"compression benchmark skipped: {reason}.", flush=True)

@@ -34,7 +34,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from keras_mwms.benchmark.config import BACKENDS
+from keras_mwms.benchmark.gang_options import chosen_backends, gang_parser
 from keras_mwms.benchmark.report import format_table
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -141,17 +141,9 @@ def rows_for(backend: str, measured: dict[str, dict]) -> list[list[object]]:
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"{prog} orchestrators", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backends", default="torch", help="comma-separated (default torch)")
+    parser = gang_parser(prog, "orchestrators", __doc__.split("\n\n")[0], steps=40, warmup=8, repeats=2,
+                         width=512, global_batch=64, timeout=600, backends="torch")
     parser.add_argument("--styles", default=",".join(STYLES), help=f"comma-separated (default {','.join(STYLES)})")
-    parser.add_argument("--steps", type=int, default=40, help="timed steps per fit (default 40)")
-    parser.add_argument("--warmup", type=int, default=8, help="untimed first steps (default 8)")
-    parser.add_argument("--repeats", type=int, default=2, help="fits per gang, best counts (default 2)")
-    parser.add_argument("--width", type=int, default=512, help="MLP width (default 512)")
-    parser.add_argument("--depth", type=int, default=3, help="MLP hidden layers (default 3)")
-    parser.add_argument("--global-batch", type=int, default=64, help="examples per step (default 64)")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds one gang may run (default 600)")
-    parser.add_argument("--out", default="build/orchestrators", help="output folder (default build/orchestrators)")
     return parser
 
 
@@ -159,10 +151,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m keras_mwms.be
     """Runs every style on every backend; prints the table, writes orchestrators.json under --out."""
     parser = build_parser(prog)
     arguments = parser.parse_args(argv)
-    backends = [name.strip() for name in arguments.backends.split(",") if name.strip()]
+    backends = chosen_backends(parser, arguments.backends)
     styles = [name.strip() for name in arguments.styles.split(",") if name.strip()]
-    if set(backends) - set(BACKENDS) or set(styles) - set(STYLES) or not backends or not styles:
-        parser.error(f"--backends takes {', '.join(BACKENDS)}; --styles takes {', '.join(STYLES)}")
+    if set(styles) - set(STYLES) or not styles:
+        parser.error(f"--styles takes a comma-separated subset of {', '.join(STYLES)}; got {arguments.styles!r}")
     out = Path(arguments.out)
     out.mkdir(parents=True, exist_ok=True)
     settings_path = out / "settings.json"
