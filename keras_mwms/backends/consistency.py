@@ -132,17 +132,20 @@ def check_workers_agree(port: Any, named_values: Sequence[tuple[str, np.ndarray]
     chief = port.broadcast_object(entries if port.worker_index == 0 else None, 0)
     index, count = first_difference(entries, chief)
     table = np.asarray(port.all_gather(np.array([index, count], np.float64)))
-    raise WorkersDifferError(*_message(where, chief, table, port.worker_index))
+    raise WorkersDifferError(*_message(where, entries, chief, table, port.worker_index))
 
 
-def _message(where: str, chief: Sequence[tuple[str, str, int]], table: np.ndarray,
-             worker_index: int) -> tuple[str, str, list[int]]:
+def _message(where: str, own: Sequence[tuple[str, str, int]], chief: Sequence[tuple[str, str, int]],
+             table: np.ndarray, worker_index: int) -> tuple[str, str, list[int]]:
     odd = [rank for rank, (index, _) in enumerate(table.tolist()) if index >= 0]
     first = int(min(table[odd, 0])) if odd else 0
     count = int(max(table[odd, 1])) if odd else 0
-    if first < len(chief):
-        name = chief[first][0]
-        variable = f"{name} ({chief[first][1]})"
+    # Named by this worker's own path: Keras numbers layer names per process, so the chief's
+    # `sequential_29` may be this worker's `sequential_26` (variables are compared by position).
+    named = own if first < len(own) else chief
+    if first < len(named):
+        name = named[first][0]
+        variable = f"{name} ({named[first][1]})"
     else:
         name = variable = f"variable #{first + 1} (the chief has {len(chief)})"
     if len(table) == 2:

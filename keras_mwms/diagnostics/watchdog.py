@@ -64,6 +64,9 @@ TICK_SECONDS = 0.2
 COLLECT_SECONDS = 2.0
 VERDICT_WAIT_SECONDS = 3.0
 PROGRESS_SECONDS = 1.0
+# A collective entered after a peer left the job waits this long before the at-once round: one
+# that needs no peer (an empty broadcast) ends by itself first.
+LEFT_GRACE_SECONDS = 1.0
 # How long the reporter lingers after sending the verdict, so peers read it before its exit
 # breaks their collectives.
 LINGER_SECONDS = 0.5
@@ -220,8 +223,10 @@ class Watchdog:
                         f"#{current.sequence} '{current.kind}'", now)
         if (current is not None and self._left and self._collect_until is None
                 and self._verdict_until is None and now >= self._rearm_at
+                and now - current.started >= LEFT_GRACE_SECONDS
                 and current.sequence > max(int(left.get("sequence") or 0) for left in self._left.values())):
-            # A collective no one who left can join: no need to wait for the hang threshold.
+            # A collective no one who left can join: no need to wait for the hang threshold. The
+            # grace lets a collective that needs no peer (an empty broadcast) end by itself.
             self._begin(f"worker {self.index} entered collective #{current.sequence} '{current.kind}' "
                         f"after worker(s) {sorted(self._left)} left the job", now)
         answered = len(self._reports) + len(set(self._left) - set(self._reports))
