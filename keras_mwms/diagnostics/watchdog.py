@@ -226,7 +226,8 @@ class Watchdog:
                 and now - current.started >= LEFT_GRACE_SECONDS
                 and current.sequence > max(int(left.get("sequence") or 0) for left in self._left.values())):
             # A collective no one who left can join: no need to wait for the hang threshold. The
-            # grace lets a collective that needs no peer (an empty broadcast) end by itself.
+            # grace lets one that needs no peer (an empty broadcast), or the last one both shared
+            # and still ending here, end by itself.
             self._begin(f"worker {self.index} entered collective #{current.sequence} '{current.kind}' "
                         f"after worker(s) {sorted(self._left)} left the job", now)
         answered = len(self._reports) + len(set(self._left) - set(self._reports))
