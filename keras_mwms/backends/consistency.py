@@ -142,7 +142,7 @@ def _message(where: str, own: Sequence[tuple[str, str, int]], chief: Sequence[tu
     count = int(max(table[odd, 1])) if odd else 0
     # Named by this worker's own path: Keras numbers layer names per process, so the chief's
     # `sequential_29` may be this worker's `sequential_26` (variables are compared by position).
-    named = own if first < len(own) else chief
+    named = own if first < min(len(own), len(chief)) else chief
     if first < len(named):
         name = named[first][0]
         variable = f"{name} ({named[first][1]})"
