@@ -28,14 +28,13 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from keras_mwms.benchmark.compression_worker import mlp_parameters
 from keras_mwms.benchmark.gang_options import chosen_backends, gang_parser
+from keras_mwms.benchmark.processes import run_bounded
 from keras_mwms.benchmark.report import format_table
 from keras_mwms.benchmark.runner import gang_environment
 from keras_mwms.launch import find_free_ports
@@ -48,38 +47,14 @@ def run_gang(backend: str, settings: dict, out: Path, timeout: float,
              worker_module: str = "keras_mwms.benchmark.accumulation_worker", what: str = "accumulation") -> list[dict]:
     """One 2-worker gang of `worker_module` on localhost; each worker's rows (raises with the logs on failure)."""
     workers = [f"localhost:{port}" for port in find_free_ports(2)]
-    processes, logs = [], []
-    try:
-        for index in range(2):
-            settings_path = out / f"{backend}.settings.json"
-            settings_path.write_text(json.dumps(settings))
-            env = dict({key: value for key, value in os.environ.items() if key != "TF_CONFIG"},
-                       **gang_environment(backend, 1),
-                       TF_CONFIG=json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}))
-            log = open(out / f"{backend}.worker{index}.log", "w")
-            logs.append(log)
-            processes.append(subprocess.Popen(
-                [sys.executable, "-m", worker_module,
-                 str(out / f"{backend}.worker{index}.json"), str(settings_path)],
-                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        deadline = time.monotonic() + timeout
-        while any(process.poll() is None for process in processes):
-            if time.monotonic() > deadline or any(process.returncode not in (None, 0) for process in processes):
-                break
-            time.sleep(0.5)
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, 9)
-            process.wait(timeout=30)
-        for log in logs:
-            log.close()
-    codes = [process.returncode for process in processes]
-    if codes != [0, 0]:
-        tails = "\n".join(f"--- worker {index} (exit {code}):\n"
-                          + (out / f"{backend}.worker{index}.log").read_text()[-3000:]
-                          for index, code in enumerate(codes))
-        raise RuntimeError(f"{backend} {what} gang failed or ran past {timeout:.0f} s:\n{tails}")
+    settings_path = out / f"{backend}.settings.json"
+    settings_path.write_text(json.dumps(settings))
+    base = {key: value for key, value in os.environ.items() if key != "TF_CONFIG"}
+    run_bounded([([sys.executable, "-m", worker_module, str(out / f"{backend}.worker{index}.json"), str(settings_path)],
+                  dict(base, **gang_environment(backend, 1),
+                       TF_CONFIG=json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})),
+                  out / f"{backend}.worker{index}.log") for index in range(2)],
+                timeout, f"{backend} {what} gang")
     return [json.loads((out / f"{backend}.worker{index}.json").read_text()) for index in range(2)]
 
 

@@ -31,15 +31,14 @@ import platform
 import random
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from keras_mwms.benchmark.compression_worker import mlp_parameters
 from keras_mwms.benchmark.gang_options import chosen_backends, gang_parser
+from keras_mwms.benchmark.processes import run_bounded
 from keras_mwms.benchmark.report import format_table
 
 COMPRESSIONS = (None, "bf16", "fp16")
@@ -116,42 +115,19 @@ def run_gang(link: ShapedLink, backend: str, settings: dict, out: Path, timeout:
     """One 2-worker gang across the namespaces; each worker's rows (raises with the logs on failure)."""
     port = random.randrange(20000, 40000)   # each namespace has its own ports: any is free
     workers = [f"{address}:{port}" for address in link.addresses]
-    processes, logs = [], []
     base = {key: value for key, value in os.environ.items() if key != "TF_CONFIG"}
-    try:
-        for index, namespace in enumerate(link.namespaces):
-            worker_settings = dict(settings, device=link.devices[index])
-            settings_path = out / f"{backend}.settings{index}.json"
-            settings_path.write_text(json.dumps(worker_settings))
-            env = dict(base, KERAS_BACKEND=backend, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2",
-                       TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1",
-                       XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
-                       TF_CONFIG=json.dumps({"cluster": {"worker": workers},
-                                             "task": {"type": "worker", "index": index}}))
-            log = open(out / f"{backend}.worker{index}.log", "w")
-            logs.append(log)
-            processes.append(subprocess.Popen(
-                ["ip", "netns", "exec", namespace, sys.executable, "-m", "keras_mwms.benchmark.compression_worker",
-                 str(out / f"{backend}.worker{index}.json"), str(settings_path)],
-                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        deadline = time.monotonic() + timeout
-        while any(process.poll() is None for process in processes):
-            if time.monotonic() > deadline or any(process.returncode not in (None, 0) for process in processes):
-                break
-            time.sleep(0.5)
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
-        for log in logs:
-            log.close()
-    codes = [process.returncode for process in processes]
-    if codes != [0, 0]:
-        tails = "\n".join(f"--- worker {index} (exit {code}):\n"
-                          + (out / f"{backend}.worker{index}.log").read_text()[-3000:]
-                          for index, code in enumerate(codes))
-        raise RuntimeError(f"{backend} gang failed or ran past {timeout:.0f} s:\n{tails}")
+    commands = []
+    for index, namespace in enumerate(link.namespaces):
+        settings_path = out / f"{backend}.settings{index}.json"
+        settings_path.write_text(json.dumps(dict(settings, device=link.devices[index])))
+        env = dict(base, KERAS_BACKEND=backend, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2",
+                   TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1",
+                   XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
+                   TF_CONFIG=json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}))
+        commands.append((["ip", "netns", "exec", namespace, sys.executable, "-m",
+                          "keras_mwms.benchmark.compression_worker", str(out / f"{backend}.worker{index}.json"),
+                          str(settings_path)], env, out / f"{backend}.worker{index}.log"))
+    run_bounded(commands, timeout, f"{backend} gang")
     return [json.loads((out / f"{backend}.worker{index}.json").read_text()) for index in range(2)]
 
 

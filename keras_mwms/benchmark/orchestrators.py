@@ -28,13 +28,12 @@ import os
 import platform
 import random
 import socket
-import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from keras_mwms.benchmark.gang_options import chosen_backends, gang_parser
+from keras_mwms.benchmark.processes import run_bounded
 from keras_mwms.benchmark.report import format_table
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -100,30 +99,9 @@ def run_style(backend: str, style: str, settings_path: Path, out: Path, timeout:
         commands = [([sys.executable, "-m", "keras_mwms.launch", "--workers", "2", "-m", *worker[2:]], env)]
     else:
         commands = [(worker, {**env, **extra}) for extra in style_environments(style, 2)]
-    processes, logs = [], []
-    try:
-        for index, (command, command_env) in enumerate(commands):
-            logs.append(open(out / f"{backend}.{style}.process{index}.log", "w"))
-            processes.append(subprocess.Popen(command, env=command_env, stdout=logs[-1],
-                                              stderr=subprocess.STDOUT, start_new_session=True))
-        deadline = time.monotonic() + timeout
-        while any(process.poll() is None for process in processes):
-            if time.monotonic() > deadline or any(process.returncode not in (None, 0) for process in processes):
-                break
-            time.sleep(0.5)
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, 9)
-            process.wait(timeout=30)
-        for log in logs:
-            log.close()
-    codes = [process.returncode for process in processes]
-    if any(codes):
-        tails = "\n".join(f"--- process {index} (exit {code}):\n"
-                          + (out / f"{backend}.{style}.process{index}.log").read_text()[-3000:]
-                          for index, code in enumerate(codes))
-        raise RuntimeError(f"{backend} gang started by {style} failed or ran past {timeout:.0f} s:\n{tails}")
+    run_bounded([(command, command_env, out / f"{backend}.{style}.process{index}.log")
+                 for index, (command, command_env) in enumerate(commands)],
+                timeout, f"{backend} gang started by {style}")
     result = json.loads((out / f"{backend}.{style}.worker0.json").read_text())
     best = min(result["rows"], key=lambda row: row["seconds_per_micro_step"])
     return {"seconds_per_step": best["seconds_per_micro_step"], "threads": result.get("threads")}
