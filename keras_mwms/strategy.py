@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from keras_mwms import active, devices, diagnostics, threads
+from keras_mwms import active, devices, diagnostics, settings, threads
 from keras_mwms.advice import advice_for
 from keras_mwms.backends import backend_class, callback_list, policy, resume
 from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver
@@ -126,7 +126,7 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
         self._backend = backend_type(self._resolver, self._options, self._tf_config_at_creation)
         # One worker by choice (`keras_mwms.launch --workers 1`, e.g. one TensorFlow worker with
         # every GPU of its host) is not the mistake the warning is about.
-        launched_alone = bool(self._tf_config_at_creation) and os.environ.get(devices.LOCAL_WORKERS_ENV) == "1"
+        launched_alone = bool(self._tf_config_at_creation) and settings.LOCAL_WORKERS.is_set() and settings.LOCAL_WORKERS.read() == 1
         if self._resolver.num_workers == 1 and not launched_alone:
             warnings.warn(
                 "keras_mwms.MultiWorkerMirroredStrategy is running a single worker "
