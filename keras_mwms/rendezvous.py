@@ -44,11 +44,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from keras_mwms import settings
 from keras_mwms.cluster import split_address
 from keras_mwms.errors import RendezvousError
 
 PROTOCOL = "keras_mwms-rendezvous/1"
-DEFAULT_TIMEOUT_SECONDS = 120.0
+DEFAULT_TIMEOUT_SECONDS = settings.RENDEZVOUS_TIMEOUT.default
 RETRY_INTERVAL_SECONDS = 0.1
 SOCKET_TIMEOUT_SECONDS = 5.0
 MAX_HELLO_BYTES = 1 << 20

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from keras_mwms.errors import ClusterEnvironmentError, EnvironmentVariableError
-from keras_mwms.rendezvous import DEFAULT_TIMEOUT_SECONDS
 
 SWITCH, INTEGER, SECONDS, CHOICE, TEXT = "switch", "integer", "seconds", "choice", "text"
 _TRUE = ("1", "true", "yes", "on")
@@ -195,7 +194,7 @@ CLUSTER_SOURCE = register(Setting(
     set_by="launcher (`tf_config`)", choices=("tf_config", "slurm", "torchrun", "mpi", "single"),
     fix="use one of them, or unset it to detect the source.", error=ClusterEnvironmentError))
 RENDEZVOUS_TIMEOUT = register(Setting(
-    "KERAS_MWMS_RENDEZVOUS_TIMEOUT", SECONDS, DEFAULT_TIMEOUT_SECONDS,
+    "KERAS_MWMS_RENDEZVOUS_TIMEOUT", SECONDS, 120.0,
     "How long every worker waits for the others to show up at start.",
     fills=f"{_OPTIONS}(rendezvous_timeout_seconds=)", fix="set it to seconds, e.g. 300."))
 PORT_BASE = register(Setting(

@@ -94,6 +94,18 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
         cluster_resolver: any resolver of `keras_mwms` or `keras_mwms.resolvers`. Default:
             detected from the environment: `TF_CONFIG`, else a Slurm job step, else torchrun,
             else MPI, else a single worker.
+
+    Raises:
+        TFConfigError: `TF_CONFIG` (or the resolver's cluster) cannot describe a valid job.
+        ClusterEnvironmentError: Slurm, torchrun or MPI variables cannot describe a valid job.
+        EnvironmentVariableError: a `KERAS_MWMS_*` variable holds a value it cannot read.
+        GpuAssignmentError: the GPUs this worker should use cannot be decided.
+        RendezvousError: the workers did not all arrive in time, or disagree on the configuration.
+        StrategyCreatedTooLateError: TensorFlow or JAX already ran a computation in this process.
+        NcclUnavailableError: torch with `NCCL` requested where NCCL cannot run.
+
+    All of them are `keras_mwms.errors.KerasMwmsError`s; during `fit`, a lost peer raises
+    `WorkerLostError` and workers whose variables differ raise `WorkersDifferError`.
     """
 
     def __init__(self, communication_options: CommunicationOptions | None = None,
