@@ -23,7 +23,7 @@ from keras_mwms.cluster import (
 )
 from keras_mwms.communication import CommunicationImplementation, CommunicationOptions
 from keras_mwms.data import AutoShardPolicy, InputContext
-from keras_mwms.errors import WorkerLostError, WorkersDifferError
+from keras_mwms.errors import KerasMwmsError, WorkerLostError, WorkersDifferError
 from keras_mwms.rendezvous import RendezvousError
 from keras_mwms.resolvers import (
     ClusterEnvironmentError,
@@ -51,6 +51,7 @@ __all__ = [
     "CommunicationImplementation",
     "CommunicationOptions",
     "InputContext",
+    "KerasMwmsError",
     "MPIClusterResolver",
     "MultiWorkerMirroredStrategy",
     "RendezvousError",

@@ -14,9 +14,11 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from keras_mwms import settings
+
 # Set by `keras_mwms.launch` in every worker: the attempt number, and the --port-base if given.
-LAUNCH_ATTEMPT_ENV = "KERAS_MWMS_ATTEMPT"
-LAUNCH_PORT_BASE_ENV = "KERAS_MWMS_LAUNCH_PORT_BASE"
+LAUNCH_ATTEMPT_ENV = settings.ATTEMPT.name
+LAUNCH_PORT_BASE_ENV = settings.LAUNCH_PORT_BASE.name
 RESUME = "and resume with keras_mwms.callbacks.BackupAndRestore."
 
 
@@ -53,8 +55,8 @@ def advice_for(resolver: Any, environ: Mapping[str, str] | None = None) -> Advic
     if source.startswith(("torchrun", "torch-style")):
         return Advice(port_advice, "Start every process of the job (on every node)",
                       "Restart it (torchrun --max-restarts N restarts its workers) " + RESUME)
-    if LAUNCH_ATTEMPT_ENV in environ:
-        base = environ.get(LAUNCH_PORT_BASE_ENV)
+    if settings.ATTEMPT.is_set(environ):
+        base = settings.LAUNCH_PORT_BASE.read(environ)
         ports = (f"pass another --port-base to keras_mwms.launch (its workers listen on {base} .. "
                  f"{int(base) + resolver.num_workers - 1}), or leave it out to use free ports." if base else
                  "run keras_mwms.launch again: it picks free ports at every start.")

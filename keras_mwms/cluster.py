@@ -30,6 +30,8 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from keras_mwms.errors import TFConfigError
+
 TF_CONFIG_ENV = "TF_CONFIG"
 CHIEF = "chief"
 WORKER = "worker"
@@ -37,22 +39,6 @@ EVALUATOR = "evaluator"
 PS = "ps"
 KNOWN_TASK_TYPES = (CHIEF, WORKER, EVALUATOR, PS)
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "0.0.0.0", "::"})
-
-
-class TFConfigError(ValueError):
-    """A `TF_CONFIG` (or explicit cluster spec) that cannot describe a valid job.
-
-    The message names the offending field, shows its value and says how to fix it.
-
-    Example:
-
-    >>> from keras_mwms.cluster import parse_tf_config, TFConfigError
-    >>> try:
-    ...     parse_tf_config('{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker"}}')
-    ... except TFConfigError as error:
-    ...     print("task.index" in str(error))
-    True
-    """
 
 
 def _fail(field: str, value: Any, problem: str, fix: str) -> TFConfigError:

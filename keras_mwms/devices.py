@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from keras_mwms import settings
+
 
 def backend_name() -> str:
     """The Keras backend this process uses (`KERAS_BACKEND`, else Keras' configured one).
@@ -74,7 +76,7 @@ def missing_backend_error(environ=None, find_spec=None) -> ModuleNotFoundError |
         f'"keras_mwms[{extra}]" (or choose an installed backend with KERAS_BACKEND)', name=module)
 
 
-LOCAL_WORKERS_ENV = "KERAS_MWMS_LOCAL_WORKERS"
+LOCAL_WORKERS_ENV = settings.LOCAL_WORKERS.name
 
 
 def threads_per_worker(workers: int | None = None, cores: int | None = None) -> int:
@@ -88,11 +90,7 @@ def threads_per_worker(workers: int | None = None, cores: int | None = None) -> 
     >>> threads_per_worker(2, cores=2), threads_per_worker(1, cores=2), threads_per_worker(4, cores=2)
     (1, 2, 1)
     """
-    if workers is None:
-        try:
-            workers = int(os.environ.get(LOCAL_WORKERS_ENV, "1"))
-        except ValueError:
-            workers = 1
+    workers = settings.LOCAL_WORKERS.fill(workers)
     cores = cores or os.cpu_count() or 1
     return max(1, cores // max(1, workers))
 
@@ -280,9 +278,8 @@ def worker_identity(backend: str, workers: int) -> dict:
     """
     import socket
 
-    from keras_mwms import gpu_assignment as rules
 
-    fake = os.environ.get(rules.FAKE_GPU_UUIDS_ENV)
+    fake = settings.FAKE_GPU_UUIDS.read()
     if fake is not None:
         gpus = [name.strip() for name in fake.split(",") if name.strip()]
     else:

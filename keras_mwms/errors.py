@@ -1,17 +1,150 @@
-"""The errors keras_mwms raises while training, the same on every backend.
+"""Every error keras_mwms raises, under one base: `KerasMwmsError`.
 
-`WorkerLostError` is what a synchronous job raises when a peer worker dies, hangs or becomes
-unreachable: no backend can go on without it, so every worker stops with a message naming the
-lost worker(s), and the process ends within `CommunicationOptions.lost_worker_exit_seconds`
-even if the backend's teardown waits for the dead peer. `WorkersDifferError` is what every
-worker raises when their variables are found to differ (the check after `fit` and at each
-checkpoint, `keras_mwms.backends.consistency`).
+`except keras_mwms.errors.KerasMwmsError` catches anything keras_mwms itself refused or lost;
+each class also keeps the built-in base it always had (`ValueError` for a configuration that
+cannot work, `RuntimeError` for a job that cannot go on), so existing `except ValueError:` and
+`except RuntimeError:` blocks keep working. Arguments of the wrong type or value given to a
+public function or class still raise plain `TypeError`/`ValueError`, as Keras does.
+
+| error | also a | raised when |
+|-------|--------|-------------|
+| `TFConfigError` | `ValueError` | `TF_CONFIG` or a cluster spec cannot describe a valid job |
+| `ClusterEnvironmentError` | `TFConfigError` | Slurm, torchrun or MPI variables cannot describe a valid job |
+| `EnvironmentVariableError` | `ValueError` | a `KERAS_MWMS_*` variable has a value keras_mwms cannot read |
+| `GpuAssignmentError` | `ValueError` | the GPUs a worker should use cannot be decided |
+| `RendezvousError` | `RuntimeError` | the workers could not all meet with identical configurations |
+| `StrategyCreatedTooLateError` | `RuntimeError` | TensorFlow or JAX ran a computation before the strategy existed |
+| `NcclUnavailableError` | `RuntimeError` | NCCL was requested where torch cannot use it |
+| `WorkerLostError` | `RuntimeError` | a peer worker crashed, hung or left during training |
+| `WorkersDifferError` | `RuntimeError` | the workers' variables differ after `fit` or at a checkpoint |
+| `BackupAndRestoreError` | `RuntimeError` | a backup exists but cannot be restored |
+
+`keras_mwms.callbacks.TrainingPreempted` is not an error: it is the `SystemExit` that ends a
+worker after a SIGTERM once its backup is saved, and stays outside `Exception` on purpose.
 """
 
 from __future__ import annotations
 
 
-class WorkerLostError(RuntimeError):
+class KerasMwmsError(Exception):
+    """The base of every error keras_mwms raises; catch it to handle all of them at once.
+
+    Every subclass also derives from the built-in exception it has always been (see the
+    module's table), so catching that keeps working.
+
+    Example:
+
+    >>> from keras_mwms.errors import KerasMwmsError, TFConfigError
+    >>> issubclass(TFConfigError, KerasMwmsError), issubclass(TFConfigError, ValueError)
+    (True, True)
+
+    Subclasses:
+        TFConfigError, ClusterEnvironmentError, EnvironmentVariableError, GpuAssignmentError,
+        RendezvousError, StrategyCreatedTooLateError, NcclUnavailableError, WorkerLostError,
+        WorkersDifferError, BackupAndRestoreError.
+    """
+
+
+class TFConfigError(KerasMwmsError, ValueError):
+    """A `TF_CONFIG` (or explicit cluster spec) that cannot describe a valid job.
+
+    The message names the offending field, shows its value and says how to fix it.
+
+    Example:
+
+    >>> from keras_mwms.cluster import parse_tf_config, TFConfigError
+    >>> try:
+    ...     parse_tf_config('{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker"}}')
+    ... except TFConfigError as error:
+    ...     print("task.index" in str(error))
+    True
+    """
+
+
+class EnvironmentVariableError(KerasMwmsError, ValueError):
+    """A `KERAS_MWMS_*` environment variable whose value keras_mwms cannot read.
+
+    The message reads `NAME='value' problem: fix` (`keras_mwms.settings` reads every variable).
+
+    Example:
+
+    >>> from keras_mwms import settings
+    >>> try:
+    ...     settings.LEDGER.read({"KERAS_MWMS_LEDGER": "maybe"})
+    ... except EnvironmentVariableError as error:
+    ...     print(error)
+    KERAS_MWMS_LEDGER='maybe' is not a switch: set it to 1 (on) or 0 (off).
+    """
+
+
+class ClusterEnvironmentError(TFConfigError, EnvironmentVariableError):
+    """An orchestrator's environment that cannot describe a valid job.
+
+    The message names the variable, shows its value and says how to fix it. It is a
+    `TFConfigError` (a `ValueError`), so code that catches bad `TF_CONFIG`s catches these too.
+
+    Example:
+
+    >>> from keras_mwms.resolvers import TorchrunClusterResolver, ClusterEnvironmentError
+    >>> try:
+    ...     TorchrunClusterResolver(environ={"RANK": "x", "WORLD_SIZE": "2", "MASTER_ADDR": "h"})
+    ... except ClusterEnvironmentError as error:
+    ...     print(str(error).split(":")[0])
+    RANK='x' is not an integer
+    """
+
+
+class GpuAssignmentError(KerasMwmsError, ValueError):
+    """The GPUs a worker should use cannot be decided; the message says what to set.
+
+    Example:
+
+    >>> from keras_mwms.gpu_assignment import assign_gpus
+    >>> try:
+    ...     assign_gpus("torch", visible=4, workers=2, environ={})
+    ... except GpuAssignmentError as error:
+    ...     print("no local rank" in str(error))
+    True
+    """
+
+
+class RendezvousError(KerasMwmsError, RuntimeError):
+    """The workers of a job could not all meet with identical configurations.
+
+    The message names the missing or mismatched tasks, their addresses and what to fix.
+
+    Example:
+
+    >>> issubclass(RendezvousError, RuntimeError)
+    True
+    """
+
+
+class StrategyCreatedTooLateError(KerasMwmsError, RuntimeError):
+    """TensorFlow or JAX ran a computation before `MultiWorkerMirroredStrategy()` was created.
+
+    Their collectives (TensorFlow) or distributed runtime (JAX) can only be configured before
+    the first computation: create the strategy right after the imports, then build models,
+    seeds and data.
+
+    Example:
+
+    >>> issubclass(StrategyCreatedTooLateError, RuntimeError)
+    True
+    """
+
+
+class NcclUnavailableError(KerasMwmsError, RuntimeError):
+    """`CommunicationImplementation.NCCL` was requested where torch cannot use NCCL.
+
+    Example:
+
+    >>> issubclass(NcclUnavailableError, RuntimeError)
+    True
+    """
+
+
+class WorkerLostError(KerasMwmsError, RuntimeError):
     """A peer worker crashed, hung or left; synchronous training cannot continue on any worker.
 
     The message names the lost worker(s) as `worker R (job:index at host:port)` when they can
@@ -37,7 +170,7 @@ class WorkerLostError(RuntimeError):
         self.where = where
 
 
-class WorkersDifferError(RuntimeError):
+class WorkersDifferError(KerasMwmsError, RuntimeError):
     """The workers' model or optimizer variables differ: synchronous training has diverged.
 
     Raised on every worker at once by the check at the end of `fit` and at every checkpoint
@@ -61,3 +194,16 @@ class WorkersDifferError(RuntimeError):
         super().__init__(message)
         self.variable = variable
         self.workers = list(workers or [])
+
+
+class BackupAndRestoreError(KerasMwmsError, RuntimeError):
+    """A backup exists but cannot be restored (corrupt, or from another model).
+
+    The message names the backup directory and what to do (delete it, or restore the model it
+    was written by).
+
+    Example:
+
+    >>> issubclass(BackupAndRestoreError, RuntimeError)
+    True
+    """

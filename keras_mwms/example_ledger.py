@@ -30,7 +30,7 @@ import os
 
 import keras
 
-from keras_mwms import resumable_inputs
+from keras_mwms import resumable_inputs, settings
 from keras_mwms.callbacks import coordination
 from keras_mwms.data import replica_slices
 
@@ -85,7 +85,7 @@ class ExampleLedger(keras.callbacks.Callback):
             self._begun = True
             epoch, step = order.locate(order.start)
             self._write({"event": "begin", "epoch": epoch, "step": step,
-                         "attempt": int(os.environ.get("KERAS_MWMS_ATTEMPT", "0")),
+                         "attempt": settings.ATTEMPT.read(),
                          "workers": coordination.num_workers(), "seed": order.seed,
                          "steps_per_epoch": order.steps_per_epoch})
         position = order.position(self._epoch, batch)

@@ -35,11 +35,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-LOCAL_RANK_ENV = "KERAS_MWMS_LOCAL_RANK"
-GPUS_PER_WORKER_ENV = "KERAS_MWMS_GPUS_PER_WORKER"
+from keras_mwms import settings
+from keras_mwms.errors import GpuAssignmentError
+
+LOCAL_RANK_ENV = settings.LOCAL_RANK.name
+GPUS_PER_WORKER_ENV = settings.GPUS_PER_WORKER.name
 # Test-only: the GPU identities this worker claims in the rendezvous, comma-separated; lets a
 # CPU machine exercise the same-GPU check. Never set it on a real job.
-FAKE_GPU_UUIDS_ENV = "KERAS_MWMS_FAKE_GPU_UUIDS"
+FAKE_GPU_UUIDS_ENV = settings.FAKE_GPU_UUIDS.name
 LOCAL_RANK_VARIABLES = (LOCAL_RANK_ENV, "LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
 BACKENDS_WITH_LOCAL_REPLICAS = ("tensorflow", "jax")
 SET_A_LOCAL_RANK = (
@@ -47,16 +50,6 @@ SET_A_LOCAL_RANK = (
     + ", or narrow CUDA_VISIBLE_DEVICES to this worker's GPU, or start the workers with "
     "`python -m keras_mwms.launch --workers N` (one GPU each)"
 )
-
-
-class GpuAssignmentError(ValueError):
-    """The GPUs a worker should use cannot be decided; the message says what to set.
-
-    Example:
-
-    >>> issubclass(GpuAssignmentError, ValueError)
-    True
-    """
 
 
 @dataclass(frozen=True)
@@ -105,7 +98,8 @@ def infer_local_rank(environ: Mapping[str, str]) -> tuple[int, str] | None:
     True
     """
     for variable in LOCAL_RANK_VARIABLES:
-        text = environ.get(variable, "").strip()
+        text = (settings.LOCAL_RANK.text(environ) if variable == LOCAL_RANK_ENV else environ.get(variable)) or ""
+        text = text.strip()
         if not text:
             continue
         try:
@@ -143,7 +137,7 @@ def assign_gpus(backend: str, visible: int, workers: int, environ: Mapping[str, 
     if visible <= 0:
         return GpuAssignment(backend, 0, (), None, "no GPU is visible: the CPU")
     every = tuple(range(visible))
-    launcher_share = environ.get(GPUS_PER_WORKER_ENV, "").strip()
+    launcher_share = settings.GPUS_PER_WORKER.read(environ) or ""
     found = infer_local_rank(environ)
     local_rank = found[0] if found else None
     if launcher_share:

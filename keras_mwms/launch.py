@@ -54,7 +54,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from keras_mwms import advice, devices, gpu_assignment, threads
+from keras_mwms import advice, devices, gpu_assignment, settings, threads
 from keras_mwms.cluster import format_address, make_tf_config
 from keras_mwms.diagnostics.straggler import REPORT_ENV
 
@@ -179,7 +179,7 @@ class Gang:
         env.update(self.worker_env.get(index, {}))
         env["TF_CONFIG"] = make_tf_config(self.addresses, index)
         # The gang is described by TF_CONFIG, also inside a Slurm step or a torchrun/MPI job.
-        env["KERAS_MWMS_CLUSTER_SOURCE"] = "tf_config"
+        env[settings.CLUSTER_SOURCE.name] = "tf_config"
         env[advice.LAUNCH_ATTEMPT_ENV] = str(self.attempt)
         if self.port_base:   # a port clash then says "another --port-base" (keras_mwms.advice)
             env[advice.LAUNCH_PORT_BASE_ENV] = str(self.port_base)

@@ -44,29 +44,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from keras_mwms import settings
 from keras_mwms.cluster import split_address
+from keras_mwms.errors import RendezvousError
 
 PROTOCOL = "keras_mwms-rendezvous/1"
-DEFAULT_TIMEOUT_SECONDS = 120.0
+DEFAULT_TIMEOUT_SECONDS = settings.RENDEZVOUS_TIMEOUT.default
 RETRY_INTERVAL_SECONDS = 0.1
 SOCKET_TIMEOUT_SECONDS = 5.0
 MAX_HELLO_BYTES = 1 << 20
 DEFAULT_PORT_ADVICE = ("give this worker a free port in TF_CONFIG (and check that no two workers "
                        "share a task.index).")
 DEFAULT_MEMBERS_ADVICE = "Start every worker listed in TF_CONFIG"
-
-
-class RendezvousError(RuntimeError):
-    """The workers of a job could not all meet with identical configurations.
-
-    The message names the missing or mismatched tasks, their addresses and what to fix.
-
-    Example:
-
-    >>> from keras_mwms.rendezvous import RendezvousError
-    >>> issubclass(RendezvousError, RuntimeError)
-    True
-    """
 
 
 @dataclass

@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from keras_mwms import active, devices, diagnostics, threads
+from keras_mwms import active, devices, diagnostics, settings, threads
 from keras_mwms.advice import advice_for
 from keras_mwms.backends import backend_class, callback_list, policy, resume
 from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver
@@ -94,6 +94,18 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
         cluster_resolver: any resolver of `keras_mwms` or `keras_mwms.resolvers`. Default:
             detected from the environment: `TF_CONFIG`, else a Slurm job step, else torchrun,
             else MPI, else a single worker.
+
+    Raises:
+        TFConfigError: `TF_CONFIG` (or the resolver's cluster) cannot describe a valid job.
+        ClusterEnvironmentError: Slurm, torchrun or MPI variables cannot describe a valid job.
+        EnvironmentVariableError: a `KERAS_MWMS_*` variable holds a value it cannot read.
+        GpuAssignmentError: the GPUs this worker should use cannot be decided.
+        RendezvousError: the workers did not all arrive in time, or disagree on the configuration.
+        StrategyCreatedTooLateError: TensorFlow or JAX already ran a computation in this process.
+        NcclUnavailableError: torch with `NCCL` requested where NCCL cannot run.
+
+    All of them are `keras_mwms.errors.KerasMwmsError`s; during `fit`, a lost peer raises
+    `WorkerLostError` and workers whose variables differ raise `WorkersDifferError`.
     """
 
     def __init__(self, communication_options: CommunicationOptions | None = None,
@@ -126,7 +138,7 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
         self._backend = backend_type(self._resolver, self._options, self._tf_config_at_creation)
         # One worker by choice (`keras_mwms.launch --workers 1`, e.g. one TensorFlow worker with
         # every GPU of its host) is not the mistake the warning is about.
-        launched_alone = bool(self._tf_config_at_creation) and os.environ.get(devices.LOCAL_WORKERS_ENV) == "1"
+        launched_alone = bool(self._tf_config_at_creation) and settings.LOCAL_WORKERS.is_set() and settings.LOCAL_WORKERS.read() == 1
         if self._resolver.num_workers == 1 and not launched_alone:
             warnings.warn(
                 "keras_mwms.MultiWorkerMirroredStrategy is running a single worker "

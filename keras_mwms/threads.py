@@ -17,10 +17,11 @@ import ipaddress
 import os
 from collections.abc import Mapping, Sequence
 
+from keras_mwms import settings
 from keras_mwms.cluster import split_address
 
 USER_THREADS_ENV = "OMP_NUM_THREADS"
-CHOSEN_ENV = "KERAS_MWMS_THREADS_CHOSEN"
+CHOSEN_ENV = settings.THREADS_CHOSEN.name
 
 
 def _host_key(address: str) -> str:
@@ -87,6 +88,6 @@ def plan(addresses: Sequence[str], index: int, environ: Mapping[str, str] | None
     environ = os.environ if environ is None else environ
     count = local_workers(addresses, index)
     cores = cores or os.cpu_count() or 1
-    user_set = USER_THREADS_ENV in environ and environ.get(CHOSEN_ENV) != environ[USER_THREADS_ENV]
+    user_set = USER_THREADS_ENV in environ and settings.THREADS_CHOSEN.text(environ) != environ[USER_THREADS_ENV]
     return ThreadSplit(local_workers=count, cores=cores,
                        threads=None if user_set or count < 2 else max(1, cores // count))

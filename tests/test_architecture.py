@@ -7,12 +7,18 @@
   active;
 - backend adapters never import each other, only the neutral core;
 - no class in `keras_mwms/backends/` is longer than 300 lines;
-- no `_keras_mwms_*` attribute is set on Keras objects (per-object state lives in `ObjectState`).
+- no `_keras_mwms_*` attribute is set on Keras objects (per-object state lives in `ObjectState`);
+- every exception class derives from `keras_mwms.errors.KerasMwmsError`, is defined in
+  `errors.py` and is listed in the base's docstring (a `SystemExit`, an exit rather than an
+  error, is exempt);
+- `KERAS_MWMS_*` environment variables are read in `keras_mwms/settings.py` only.
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "keras_mwms"
@@ -146,3 +152,117 @@ def test_no_keras_mwms_attributes_set_on_keras_objects():
                     if isinstance(target, ast.Attribute) and target.attr.startswith(("_keras_mwms", "__keras_mwms")):
                         setters.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert setters == []
+
+
+def exception_classes(package: Path = PACKAGE) -> dict[str, tuple[str, list[str]]]:
+    """Exception class name → (file, base names), found from the source by their bases."""
+    classes: dict[str, tuple[str, list[str]]] = {}
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = [base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", "") for base in node.bases]
+                classes[node.name] = (str(path.relative_to(package)), bases)
+    builtin = {name for name, value in vars(builtins).items()
+               if isinstance(value, type) and issubclass(value, BaseException)}
+    exceptions: dict[str, tuple[str, list[str]]] = {}
+    grew = True
+    while grew:
+        grew = False
+        for name, (where, bases) in classes.items():
+            if name not in exceptions and any(base in builtin or base in exceptions for base in bases):
+                exceptions[name] = (where, bases)
+                grew = True
+    return exceptions
+
+
+def ancestors(name: str, exceptions: dict[str, tuple[str, list[str]]]) -> set[str]:
+    found: set[str] = set()
+    for base in exceptions.get(name, ("", []))[1]:
+        found |= {base} | ancestors(base, exceptions)
+    return found
+
+
+def test_every_exception_derives_from_the_one_base_in_errors_py():
+    from keras_mwms.errors import KerasMwmsError
+
+    exceptions = exception_classes()
+    errors = {name: found for name, found in exceptions.items()
+              if name != "KerasMwmsError" and "SystemExit" not in ancestors(name, exceptions)}
+    assert len(errors) >= 10
+    outside = [f"{where}:{name}" for name, (where, _) in errors.items()
+               if "KerasMwmsError" not in ancestors(name, exceptions) or where != "errors.py"]
+    assert outside == [], "derive every error from keras_mwms.errors.KerasMwmsError, in errors.py"
+    unlisted = [name for name in errors if name not in KerasMwmsError.__doc__]
+    assert unlisted == [], "list every subclass in KerasMwmsError's docstring"
+
+
+ENVIRONMENT_NAME = re.compile(r"KERAS_MWMS_[A-Z0-9_]+")
+
+
+def environment_constants(package: Path = PACKAGE) -> set[str]:
+    """Names bound to a KERAS_MWMS_* variable's name: `X = "KERAS_MWMS_..."` or `X = settings.Y.name`."""
+    names = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign) and (_is_literal_name(node.value) or _is_setting_name(node.value)):
+                names.update(target.id for target in node.targets if isinstance(target, ast.Name))
+    return names
+
+
+def _is_literal_name(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) and bool(ENVIRONMENT_NAME.fullmatch(node.value))
+
+
+def _is_setting_name(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "name" and isinstance(node.value, ast.Attribute)
+            and isinstance(node.value.value, ast.Name) and node.value.value.id == "settings")
+
+
+def _names_a_variable(node: ast.AST, constants: set[str]) -> bool:
+    return any(_is_literal_name(part) or _is_setting_name(part)
+               or (isinstance(part, ast.Name) and part.id in constants)
+               or (isinstance(part, ast.Attribute) and part.attr in constants) for part in ast.walk(node))
+
+
+def environment_reads(package: Path = PACKAGE) -> list[str]:
+    """Where a module other than settings.py reads a KERAS_MWMS_* variable itself.
+
+    A read is a KERAS_MWMS_ name (a literal, a constant bound to one, or `settings.X.name`) as the
+    key of `.get(...)`, `.pop(...)`, `.setdefault(...)`, `getenv(...)`, a subscript that loads, or an
+    `in` test. Writing one for a child process is not a read: a subscript that stores, a dict
+    display's key or a keyword argument (`env[settings.X.name] = ...`, `{NAME: value}`,
+    `env.update(NAME=value)`).
+    """
+    constants = environment_constants(package)
+    found = []
+    for path in package.rglob("*.py"):
+        if path == package / "settings.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            key = None
+            if isinstance(node, ast.Call) and node.args and (
+                    getattr(node.func, "attr", None) in ("get", "pop", "setdefault", "getenv")
+                    or getattr(node.func, "id", None) == "getenv"):
+                key = node.args[0]
+            elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+                key = node.slice
+            elif isinstance(node, ast.Compare) and isinstance(node.ops[0], (ast.In, ast.NotIn)):
+                key = node.left
+            if key is not None and _names_a_variable(key, constants):
+                found.append(f"{path.relative_to(package)}:{node.lineno}")
+    return found
+
+
+def test_keras_mwms_variables_are_read_in_settings_only():
+    assert environment_reads() == [], "read KERAS_MWMS_* variables through keras_mwms.settings (Setting.read)"
+
+
+def test_the_read_finder_finds_reads_and_lets_writes_pass(tmp_path):
+    (tmp_path / "reads.py").write_text(
+        "import os\nNAME = 'KERAS_MWMS_X'\n"
+        "a = os.environ.get('KERAS_MWMS_Y')\nb = os.getenv(NAME)\nc = NAME in os.environ\n"
+        "d = os.environ[settings.LEDGER.name]\n")
+    (tmp_path / "writes.py").write_text(
+        "import os\nenv = {'KERAS_MWMS_Z': '1'}\nenv[settings.LEDGER.name] = '0'\n"
+        "os.environ['KERAS_MWMS_Y'] = '1'\nenv.update(KERAS_MWMS_W='2')\n")
+    assert environment_reads(tmp_path) == ["reads.py:3", "reads.py:4", "reads.py:5", "reads.py:6"]

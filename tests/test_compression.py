@@ -120,7 +120,7 @@ def test_bytes_per_step_halve(runs):
 
 
 # -- pure rules (no backend, no processes) ---------------------------------------------------
-def test_options_validate_compression_and_the_environment_overrides_it(monkeypatch):
+def test_options_validate_compression_and_the_environment_fills_it(monkeypatch):
     monkeypatch.delenv(COMPRESSION_ENV, raising=False)
     assert CommunicationOptions().compression is None
     assert CommunicationOptions(compression="BF16").compression == "bf16"
@@ -129,7 +129,8 @@ def test_options_validate_compression_and_the_environment_overrides_it(monkeypat
     monkeypatch.setenv(COMPRESSION_ENV, "fp16")
     assert CommunicationOptions().compression == "fp16"
     monkeypatch.setenv(COMPRESSION_ENV, "none")
-    assert CommunicationOptions(compression="bf16").compression is None
+    assert CommunicationOptions().compression is None
+    assert CommunicationOptions(compression="bf16").compression == "bf16"   # the argument wins
     monkeypatch.setenv(COMPRESSION_ENV, "half")
     with pytest.raises(ValueError, match=f"{COMPRESSION_ENV}='half'"):
         CommunicationOptions()

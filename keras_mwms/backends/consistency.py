@@ -29,16 +29,16 @@ Example (one worker: nothing to compare, no collective):
 
 from __future__ import annotations
 
-import os
 import zlib
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from keras_mwms import settings
 from keras_mwms.errors import WorkersDifferError
 
-ENABLE_ENV = "KERAS_MWMS_CHECK_WORKERS_AGREE"
+ENABLE_ENV = settings.CHECK_WORKERS_AGREE.name
 
 
 def enabled() -> bool:
@@ -49,7 +49,7 @@ def enabled() -> bool:
     >>> enabled() in (True, False)
     True
     """
-    return os.environ.get(ENABLE_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    return settings.CHECK_WORKERS_AGREE.read()
 
 
 def fingerprint(name: str, value: np.ndarray) -> tuple[str, str, int]:

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import os
 import re
 import types
 import warnings
@@ -53,6 +52,8 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from keras_mwms import settings
 
 SUPPORTED_KERAS = ("3.12", "3.13", "3.14", "3.15")
 """The Keras minor releases keras_mwms supports; each was tested at its newest patch release."""
@@ -65,7 +66,7 @@ SUPPORTED_BACKENDS = {
 }
 """The backend minor releases keras_mwms supports, by module name."""
 ANY_KERAS = ("*",)
-ALLOW_UNTESTED_ENV = "KERAS_MWMS_ALLOW_UNTESTED_KERAS"
+ALLOW_UNTESTED_ENV = settings.ALLOW_UNTESTED_KERAS.name
 
 _RELEASE = re.compile(r"(\d+)\.(\d+)(?:\.\d+)*(?:\+[\w.]+)?")
 _warned: set[tuple[str, str]] = set()
@@ -144,7 +145,7 @@ def require_supported_versions(backend: str | None = None) -> None:
     outside = unsupported_versions(backend)
     if not outside:
         return
-    if os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+    if settings.ALLOW_UNTESTED_KERAS.read():
         new = [text for text in outside if (backend or "", text) not in _warned]
         _warned.update((backend or "", text) for text in new)
         if new:

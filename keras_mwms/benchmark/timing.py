@@ -12,12 +12,13 @@ the first training step: imports, joining the cluster, building, compiling and o
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
 
-LAUNCHED_AT_ENV = "KERAS_MWMS_BENCH_LAUNCHED_AT"
+from keras_mwms import settings
+
+LAUNCHED_AT_ENV = settings.BENCH_LAUNCHED_AT.name
 
 
 @dataclass
@@ -65,7 +66,7 @@ class FitTiming:
 
 def seconds_since_launch(now_perf_counter: float) -> float | None:
     """Wall seconds from the driver's launch of this process to `now_perf_counter`, if known."""
-    launched = os.environ.get(LAUNCHED_AT_ENV)
-    if not launched:
+    launched = settings.BENCH_LAUNCHED_AT.read()
+    if launched is None:
         return None
-    return time.time() - (time.perf_counter() - now_perf_counter) - float(launched)
+    return time.time() - (time.perf_counter() - now_perf_counter) - launched

@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from keras_mwms import settings
 from keras_mwms.benchmark import peers, torch_variants
 from keras_mwms.benchmark.config import BenchmarkConfig
 from keras_mwms.benchmark.fit import keras_mwms_fit, keras_mwms_fit_without_ledger
@@ -33,7 +34,7 @@ from keras_mwms.benchmark.timing import seconds_since_launch
 from keras_mwms.devices import threads_per_worker
 
 ROLES = ("keras_mwms", "tensorflow_native", "scaling", torch_variants.NIGHTLY_ROLE)
-THREADS_ENV = "KERAS_MWMS_BENCH_THREADS"
+THREADS_ENV = settings.BENCH_THREADS.name
 
 
 def configure_threads(backend_name: str, threads: int) -> None:
@@ -212,8 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with open(config_path) as file:
         config = BenchmarkConfig.from_json(file.read())
     backend_name = os.environ.get("KERAS_BACKEND", "tensorflow")
-    workers = int(os.environ.get("KERAS_MWMS_LOCAL_WORKERS", "1"))
-    threads = int(os.environ.get(THREADS_ENV) or threads_per_worker(workers))
+    workers = settings.LOCAL_WORKERS.read()
+    threads = settings.BENCH_THREADS.read() or threads_per_worker(workers)
     configure_threads(backend_name, threads)
     result = {"role": role, "backend": backend_name, "workers": workers, "threads": threads,
               "worker_index": json.loads(os.environ.get("TF_CONFIG", '{"task": {"index": 0}}'))["task"]["index"]}

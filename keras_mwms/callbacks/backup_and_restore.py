@@ -14,11 +14,7 @@ import keras
 from keras_mwms import backup_files, io, resumable_inputs
 from keras_mwms.backends import resume
 from keras_mwms.callbacks import coordination
-
-
-class BackupAndRestoreError(RuntimeError):
-    """A backup exists but cannot be restored (corrupt, or from another model)."""
-
+from keras_mwms.errors import BackupAndRestoreError
 
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 

@@ -23,12 +23,11 @@ Example:
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any
 
+from keras_mwms import settings
 from keras_mwms.diagnostics import native
-from keras_mwms.diagnostics.channel import LAUNCHER_ADDRESS_ENV
 from keras_mwms.diagnostics.ledger import LEDGER, Ledger
 from keras_mwms.diagnostics.watchdog import HANG_EXIT_CODE, Watchdog
 
@@ -57,16 +56,16 @@ def start(backend: Any, labels: list[str] | None = None) -> Watchdog | None:
     global _active
     stop()
     threshold = getattr(backend.options, "hang_report_seconds", None)
-    if backend.num_workers < 2 or threshold is None or not LEDGER.enabled:
+    if backend.num_workers < 2 or not threshold or not LEDGER.enabled:
         return None
     addresses = list(backend.resolver.worker_addresses)
     try:
         watchdog = Watchdog(backend.worker_index, addresses, threshold, LEDGER,
-                            launcher=os.environ.get(LAUNCHER_ADDRESS_ENV) or None, labels=labels)
+                            launcher=settings.DIAGNOSTICS_ADDRESS.read(), labels=labels)
     except OSError as error:
         warnings.warn(f"keras_mwms worker {backend.worker_index}: no hang reports in this job: the UDP "
                       f"side channel could not listen on {addresses[backend.worker_index]} ({error}). "
-                      "Free that UDP port, or set CommunicationOptions(hang_report_seconds=None) to "
+                      "Free that UDP port, or set CommunicationOptions(hang_report_seconds=0) to "
                       "silence this.", stacklevel=3)
         return None
     watchdog.start()

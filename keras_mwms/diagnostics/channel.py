@@ -24,10 +24,11 @@ import select
 import socket
 import zlib
 
+from keras_mwms import settings
 from keras_mwms.cluster import split_address
 
 MAX_DATAGRAM = 60000
-LAUNCHER_ADDRESS_ENV = "KERAS_MWMS_DIAGNOSTICS_ADDRESS"
+LAUNCHER_ADDRESS_ENV = settings.DIAGNOSTICS_ADDRESS.name
 
 
 def encode(message: dict) -> bytes:

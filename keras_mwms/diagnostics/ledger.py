@@ -37,14 +37,15 @@ Example:
 from __future__ import annotations
 
 import collections
-import os
 import sys
 import threading
 import time
 import weakref
 from typing import NamedTuple
 
-LEDGER_ENV = "KERAS_MWMS_LEDGER"
+from keras_mwms import settings
+
+LEDGER_ENV = settings.LEDGER.name
 PHASES = ("idle", "data", "forward-backward", "all-reduce", "apply", "callback")
 
 
@@ -68,7 +69,7 @@ def enabled_by_environment() -> bool:
     >>> enabled_by_environment() in (True, False)
     True
     """
-    return os.environ.get(LEDGER_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return settings.LEDGER.read()
 
 
 class _Collective:

@@ -30,13 +30,13 @@ keras_mwms epoch 4: seconds per worker (data wait / compute / collective wait); 
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
+from keras_mwms import settings
 from keras_mwms.backends.patches import Patch
 from keras_mwms.diagnostics.ledger import LEDGER
 
@@ -44,7 +44,7 @@ RELATIVE_THRESHOLD = 0.2
 ABSOLUTE_THRESHOLD_SECONDS = 0.005
 GATHER_SECONDS = 2.0
 KEYS = ("data", "compute", "collective", "steps", "in_graph_steps")
-REPORT_ENV = "KERAS_MWMS_REPORT"
+REPORT_ENV = settings.REPORT.name
 PRINT_MIN_SECONDS = 0.5
 
 _state: dict[str, Any] = {"epochs": 0, "previous": None, "last": None}
@@ -70,7 +70,7 @@ def reports_requested() -> bool:
     >>> reports_requested() in (True, False)
     True
     """
-    return os.environ.get(REPORT_ENV, "").strip().lower() in ("1", "true", "on", "yes")
+    return settings.REPORT.read()
 
 
 def worth_printing(slow: list[int], missing: list[int], times: dict[int, dict] | None = None) -> bool:

@@ -15,13 +15,14 @@ import os
 import warnings
 from collections.abc import Callable, Mapping
 
+from keras_mwms import settings
 from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver, TFConfigClusterResolver
 from keras_mwms.resolvers.environment import environment_error, read_int
 from keras_mwms.resolvers.mpi import MPIClusterResolver, mpi_flavour
 from keras_mwms.resolvers.slurm import SlurmClusterResolver
 from keras_mwms.resolvers.torchrun import TorchrunClusterResolver
 
-SOURCE_ENV = "KERAS_MWMS_CLUSTER_SOURCE"
+SOURCE_ENV = settings.CLUSTER_SOURCE.name
 
 
 def _tf_config_size(environ: Mapping[str, str]) -> int:
@@ -73,15 +74,11 @@ def detect_cluster_resolver(environ: Mapping[str, str] | None = None) -> Cluster
     ...                          '"task": {"type": "worker", "index": 0}}', "SLURM_STEP_NUM_TASKS": "3"})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    keras_mwms.resolvers.environment.ClusterEnvironmentError: SLURM_STEP_NUM_TASKS='3' says 3 workers, but TF_CONFIG says 2: ...
+    keras_mwms.errors.ClusterEnvironmentError: SLURM_STEP_NUM_TASKS='3' says 3 workers, but TF_CONFIG says 2: ...
     """
     environ = os.environ if environ is None else environ
-    choices = ("tf_config", "slurm", "torchrun", "mpi", "single")
-    forced = environ.get(SOURCE_ENV, "").strip().lower()
+    forced = settings.CLUSTER_SOURCE.read(environ)
     if forced:
-        if forced not in choices:
-            raise environment_error(SOURCE_ENV, environ[SOURCE_ENV], "is not a cluster source",
-                                    f"Use one of {', '.join(choices)}, or unset it to detect.")
         return _build(forced, environ)
     present = _sizes(environ)
     if not present:

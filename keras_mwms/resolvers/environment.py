@@ -10,24 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from keras_mwms.cluster import WORKER, ClusterResolver, ClusterSpec, TFConfigError, format_address
-
-
-class ClusterEnvironmentError(TFConfigError):
-    """An orchestrator's environment that cannot describe a valid job.
-
-    The message names the variable, shows its value and says how to fix it. It is a
-    `TFConfigError` (a `ValueError`), so code that catches bad `TF_CONFIG`s catches these too.
-
-    Example:
-
-    >>> from keras_mwms.resolvers import TorchrunClusterResolver, ClusterEnvironmentError
-    >>> try:
-    ...     TorchrunClusterResolver(environ={"RANK": "x", "WORLD_SIZE": "2", "MASTER_ADDR": "h"})
-    ... except ClusterEnvironmentError as error:
-    ...     print(str(error).split(":")[0])
-    RANK='x' is not an integer
-    """
+from keras_mwms.cluster import WORKER, ClusterResolver, ClusterSpec, format_address
+from keras_mwms.errors import ClusterEnvironmentError
 
 
 def environment_error(variable: str, value: object, problem: str, fix: str) -> ClusterEnvironmentError:
@@ -85,7 +69,7 @@ def check_ports(variable: str, value: object, base: int, count: int, fix: str) -
     >>> check_ports("MASTER_PORT", "65535", 65536, 1, "Use a lower port.")
     Traceback (most recent call last):
     ...
-    keras_mwms.resolvers.environment.ClusterEnvironmentError: MASTER_PORT='65535' gives ports 65536..65536, outside 1..65535: Use a lower port.
+    keras_mwms.errors.ClusterEnvironmentError: MASTER_PORT='65535' gives ports 65536..65536, outside 1..65535: Use a lower port.
     """
     if base < 1 or base + count - 1 > 65535:
         raise environment_error(variable, value, f"gives ports {base}..{base + count - 1}, outside 1..65535", fix)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 
+from keras_mwms import settings
 from keras_mwms.resolvers.environment import (
     EnvironmentClusterResolver,
     addresses_by_rank,
@@ -23,9 +24,9 @@ from keras_mwms.resolvers.environment import (
     read_int,
 )
 from keras_mwms.resolvers.hostlist import expand_hostlist
-from keras_mwms.resolvers.ports import port_base_for_job
+from keras_mwms.resolvers.ports import PORT_BASE_ENV, port_base_for_job
 
-HOSTS_ENV = "KERAS_MWMS_HOSTS"
+HOSTS_ENV = settings.HOSTS.name
 # (rank, size, local rank, local size, job id, what to call it), most specific first.
 FLAVOURS = (
     ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
@@ -87,8 +88,8 @@ class MPIClusterResolver(EnvironmentClusterResolver):
                               maximum=size)
         local_rank = read_int(environ, local_rank_name, "It is this rank's index on its node.")
         hosts_variable = "hosts"
-        if hosts is None and environ.get(HOSTS_ENV, "").strip():
-            hosts_variable, hosts = HOSTS_ENV, environ[HOSTS_ENV]
+        if hosts is None and settings.HOSTS.is_set(environ):
+            hosts_variable, hosts = HOSTS_ENV, settings.HOSTS.read(environ)
         if isinstance(hosts, str):
             hosts = expand_hostlist(hosts, hosts_variable)
         if hosts is None:
@@ -114,7 +115,8 @@ class MPIClusterResolver(EnvironmentClusterResolver):
                                     "Run mpirun with --map-by slot (the default), not --map-by node.")
         job_variable = first_set(environ, job_names)
         base = port_base_for_job(environ.get(job_variable) if job_variable else None, port_base, environ)
-        check_ports(job_variable or "KERAS_MWMS_PORT_BASE", environ.get(job_variable or "KERAS_MWMS_PORT_BASE"),
+        check_ports(job_variable or PORT_BASE_ENV,
+                    environ.get(job_variable) if job_variable else settings.PORT_BASE.text(environ),
                     base, per_node, "Pass a lower port_base or set KERAS_MWMS_PORT_BASE.")
         self._set_workers(addresses_by_rank([hosts[r // per_node] for r in range(size)],
                                             [base + r % per_node for r in range(size)]),

@@ -24,10 +24,12 @@ import os
 import zlib
 from collections.abc import Mapping
 
+from keras_mwms import settings
+
 DEFAULT_PORT_BASE = 8888
 PORTS_PER_JOB = 16
 JOB_SLOTS = 1000
-PORT_BASE_ENV = "KERAS_MWMS_PORT_BASE"
+PORT_BASE_ENV = settings.PORT_BASE.name
 
 
 def port_base_for_job(job_id: str | None, port_base: int | None = None,
@@ -40,15 +42,12 @@ def port_base_for_job(job_id: str | None, port_base: int | None = None,
     >>> port_base_for_job(None), port_base_for_job("1001"), port_base_for_job("x", environ={"KERAS_MWMS_PORT_BASE": "7000"})
     (8888, 8904, 7000)
     """
-    from keras_mwms.resolvers.environment import read_int
-
     environ = os.environ if environ is None else environ
     if port_base is not None:
         if isinstance(port_base, bool) or not isinstance(port_base, int) or not 1 <= port_base <= 65535:
             raise ValueError(f"port_base={port_base!r} must be an integer port in 1..65535.")
         return port_base
-    chosen = read_int(environ, PORT_BASE_ENV, minimum=1, maximum=65535,
-                      fix="Set it to the first port of this job, e.g. 20000, the same on every task.")
+    chosen = settings.PORT_BASE.read(environ)
     if chosen is not None:
         return chosen
     if not job_id:

@@ -23,6 +23,7 @@ import shutil
 import subprocess
 from collections.abc import Mapping
 
+from keras_mwms import settings
 from keras_mwms.cluster import WORKER
 from keras_mwms.resolvers.environment import (
     EnvironmentClusterResolver,
@@ -196,7 +197,7 @@ class SlurmClusterResolver(EnvironmentClusterResolver):
             os.environ["CUDA_VISIBLE_DEVICES"] = self.visible_devices
             # These are this task's GPUs: the backends use them all, not one by SLURM_LOCALID
             # (`keras_mwms.gpu_assignment`, as for the launcher's).
-            os.environ["KERAS_MWMS_GPUS_PER_WORKER"] = str(self._gpus_per_task)
+            os.environ[settings.GPUS_PER_WORKER.name] = str(self._gpus_per_task)
 
     def cluster_spec(self):
         """The cluster (and, with `auto_set_gpu`, this task's `CUDA_VISIBLE_DEVICES`, as TensorFlow's does)."""

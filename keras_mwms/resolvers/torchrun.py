@@ -21,6 +21,7 @@ import socket
 import time
 from collections.abc import Mapping, Sequence
 
+from keras_mwms import settings
 from keras_mwms.resolvers.environment import (
     EnvironmentClusterResolver,
     addresses_by_rank,
@@ -29,7 +30,7 @@ from keras_mwms.resolvers.environment import (
     read_int,
 )
 
-HOSTS_ENV = "KERAS_MWMS_HOSTS"
+HOSTS_ENV = settings.HOSTS.name
 _LAUNCH = "Start the script with torchrun (e.g. `torchrun --nproc-per-node 2 train.py`) or a PyTorchJob."
 
 
@@ -105,8 +106,8 @@ class TorchrunClusterResolver(EnvironmentClusterResolver):
     @staticmethod
     def _node_hosts(hosts, environ, nodes, master_host, master_port, rank, world_size, timeout) -> list[str]:
         variable = "hosts"
-        if hosts is None and environ.get(HOSTS_ENV, "").strip():
-            variable, hosts = HOSTS_ENV, [host.strip() for host in environ[HOSTS_ENV].split(",")]
+        if hosts is None and settings.HOSTS.is_set(environ):
+            variable, hosts = HOSTS_ENV, [host.strip() for host in settings.HOSTS.read(environ).split(",")]
         if hosts is not None:
             hosts = list(hosts)
             if len(hosts) != nodes or not all(hosts):
@@ -116,7 +117,7 @@ class TorchrunClusterResolver(EnvironmentClusterResolver):
         if nodes == 1:
             return [master_host]
         if timeout is None:
-            timeout = float(environ.get("KERAS_MWMS_RENDEZVOUS_TIMEOUT", "120"))
+            timeout = settings.RENDEZVOUS_TIMEOUT.read(environ)
         return _exchange_hosts(master_host, master_port, rank, world_size, nodes,
                               agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
                               timeout=timeout)

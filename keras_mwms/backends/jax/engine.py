@@ -48,6 +48,7 @@ from keras_mwms.backends.jax.faults import LostWorkerForensics, coordination_cli
 from keras_mwms.backends.jax.patches import PATCHES
 from keras_mwms.backends.patches import ObjectState, PatchTable
 from keras_mwms.communication import CommunicationImplementation
+from keras_mwms.errors import StrategyCreatedTooLateError
 
 DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = 120.0
 HEARTBEAT_TIMEOUT_SECONDS = 20
@@ -414,7 +415,7 @@ def initialize_distributed(backend: Backend) -> None:
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():
-        raise RuntimeError(
+        raise StrategyCreatedTooLateError(
             "JAX already ran a computation in this process (for example jax.devices(), "
             "keras.utils.set_random_seed(), or creating a Keras layer or variable) before "
             "keras_mwms.MultiWorkerMirroredStrategy() was created, so jax.distributed can no "

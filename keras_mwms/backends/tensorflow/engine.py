@@ -43,6 +43,7 @@ from keras_mwms.backends.tensorflow.gradients import RowWeighting
 from keras_mwms.cluster import ClusterResolver
 from keras_mwms.communication import CommunicationImplementation, CommunicationOptions
 from keras_mwms.diagnostics import LEDGER
+from keras_mwms.errors import StrategyCreatedTooLateError
 
 # TF's per-collective timeout starts one sleeping thread per collective for its whole duration
 # (≈2,500 live threads per worker after a short benchmark at 300 s), so by default we set none:
@@ -213,7 +214,7 @@ class TensorFlowBackend(Backend):
         except RuntimeError as error:
             if "configured at program startup" not in str(error):
                 raise
-            raise RuntimeError(
+            raise StrategyCreatedTooLateError(
                 "TensorFlow already ran an operation in this process (a tensor, a Keras layer or "
                 "variable, keras.utils.set_random_seed(), ...) before "
                 "keras_mwms.MultiWorkerMirroredStrategy() was created, so its collectives can no "

@@ -38,7 +38,7 @@ from keras_mwms.backends.torch import faults
 from keras_mwms.cluster import ClusterResolver, split_address
 from keras_mwms.communication import CommunicationImplementation, CommunicationOptions
 from keras_mwms.diagnostics import LEDGER
-from keras_mwms.errors import WorkerLostError
+from keras_mwms.errors import NcclUnavailableError, WorkerLostError
 
 DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = 300.0
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
@@ -59,16 +59,6 @@ def _bind_gloo_to(host: str) -> None:
     interface = network.interface_of(host)
     if interface is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
-
-
-class NcclUnavailableError(RuntimeError):
-    """`CommunicationImplementation.NCCL` was requested where torch cannot use NCCL.
-
-    Example:
-
-    >>> issubclass(NcclUnavailableError, RuntimeError)
-    True
-    """
 
 
 def resolve_engine(implementation: CommunicationImplementation, gpu_count: int) -> str:
