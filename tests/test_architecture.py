@@ -7,17 +7,23 @@
   active;
 - backend adapters never import each other, only the neutral core;
 - no class in `keras_mwms/backends/` is longer than 300 lines;
-- no `_keras_mwms_*` attribute is set on Keras objects (per-object state lives in `ObjectState`).
+- no `_keras_mwms_*` attribute is set on Keras objects (per-object state lives in `ObjectState`);
+- library code says things through the "keras_mwms" logger (`keras_mwms.log`) or
+  `warnings.warn`, never `print` or `sys.stdout/stderr.write`: those are for the programs
+  (launcher, CLI, demo, benchmark), whose output is their job.
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "keras_mwms"
 ADAPTERS = ("tensorflow", "jax", "torch")
 MAX_CLASS_LINES = 300
+# The programs, whose output is their job, and the logger's default handler (stderr).
+PRINTERS = ("keras_mwms.launch", "keras_mwms.cli", "keras_mwms.demo", "keras_mwms.benchmark", "keras_mwms.log")
 
 
 def module_files() -> dict[str, Path]:
@@ -146,3 +152,37 @@ def test_no_keras_mwms_attributes_set_on_keras_objects():
                     if isinstance(target, ast.Attribute) and target.attr.startswith(("_keras_mwms", "__keras_mwms")):
                         setters.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert setters == []
+
+
+def may_print(module: str) -> bool:
+    return any(module == printer or module.startswith(printer + ".") for printer in PRINTERS)
+
+
+def test_library_code_does_not_print():
+    printers = []
+    for name, path in module_files().items():
+        if may_print(name):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            function = node.func
+            prints = isinstance(function, ast.Name) and function.id == "print"
+            writes = (isinstance(function, ast.Attribute) and function.attr == "write"
+                      and isinstance(function.value, ast.Attribute) and function.value.attr in ("stdout", "stderr")
+                      and isinstance(function.value.value, ast.Name) and function.value.value.id == "sys")
+            if prints or writes:
+                printers.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert printers == [], "use the keras_mwms logger (keras_mwms.log.get_logger(__name__)) instead"
+
+
+def test_print_finder_finds_a_print(tmp_path, monkeypatch):
+    (tmp_path / "chatty.py").write_text("import sys\nprint('hi')\nsys.stderr.write('x')\n")
+    monkeypatch.setattr(sys.modules[__name__], "module_files", lambda: {"keras_mwms.chatty": tmp_path / "chatty.py"})
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path)
+    try:
+        test_library_code_does_not_print()
+    except AssertionError as error:
+        assert "chatty.py:2" in str(error) and "chatty.py:3" in str(error)
+    else:
+        raise AssertionError("the print was not found")
