@@ -4,7 +4,8 @@ The model: a *gang* is N worker processes of one script, each with its own `TF_C
 (localhost addresses on free ports, chosen at start). Synchronous training is all-or-nothing,
 so the gang lives and dies together:
 
-* every output line of worker i is prefixed with `[worker i]`;
+* every output line of worker i is prefixed with `[worker i]` (once: keras_mwms' own messages
+  carry it already);
 * the workers report hangs and progress to the launcher over UDP
   (`KERAS_MWMS_DIAGNOSTICS_ADDRESS`): it prints the hang verdict, asks every worker for a hang
   report when none made progress for `--no-progress-seconds`, and prints where each worker's
@@ -198,8 +199,8 @@ class Gang:
         prefix = f"[worker {index}] "
         for raw in iter(stream.readline, b""):
             line = raw.decode(errors="replace").rstrip("\n")
-            with self._output_lock:
-                output.write(prefix + line + "\n")
+            with self._output_lock:   # keras_mwms' own messages already carry the label (keras_mwms.log)
+                output.write((line if line.startswith(prefix) else prefix + line) + "\n")
                 output.flush()
         stream.close()
 

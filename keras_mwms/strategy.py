@@ -15,7 +15,6 @@ Everything after construction is delegated to the backend adapter in `keras_mwms
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -26,9 +25,12 @@ from keras_mwms.backends import backend_class, callback_list, policy, resume
 from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver
 from keras_mwms.communication import CommunicationOptions
 from keras_mwms.compat_v1 import CompatV1Methods
+from keras_mwms.log import get_logger
 from keras_mwms.rendezvous import Rendezvous
 from keras_mwms.resolvers.detect import describe_source, detect_cluster_resolver
 from keras_mwms.version import __version__
+
+logger = get_logger(__name__)
 
 
 def build_fingerprint(resolver: ClusterResolver, options: CommunicationOptions,
@@ -113,8 +115,8 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
         if cluster_resolver is None:
             cluster_resolver = detect_cluster_resolver()
             if cluster_resolver.is_chief and cluster_resolver.num_workers > 1:
-                print(f"keras_mwms: cluster of {cluster_resolver.num_workers} workers from "
-                      f"{describe_source(cluster_resolver)}", file=sys.stderr, flush=True)
+                logger.info(f"keras_mwms: cluster of {cluster_resolver.num_workers} workers from "
+                            f"{describe_source(cluster_resolver)}", worker=cluster_resolver)
         self._resolver = cluster_resolver
         self._options = communication_options if communication_options is not None else CommunicationOptions()
         if not isinstance(self._options, CommunicationOptions):
@@ -166,7 +168,7 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
                        identity=identity, exclusive_gpus=exclusive).run()
         split = threads.plan(self._resolver.worker_addresses, self._resolver.worker_index)
         if split.threads and self._backend.use_compute_threads(split.threads) and self._resolver.is_chief:
-            print(split.announcement(), file=sys.stderr, flush=True)
+            logger.info(split.announcement(), worker=self._resolver)
         self._backend.join()
         self._backend.install_patches()
         # Imported here: keras_mwms.callbacks imports Keras, which the backend has now loaded.

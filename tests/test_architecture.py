@@ -11,7 +11,10 @@
 - every exception class derives from `keras_mwms.errors.KerasMwmsError`, is defined in
   `errors.py` and is listed in the base's docstring (a `SystemExit`, an exit rather than an
   error, is exempt);
-- `KERAS_MWMS_*` environment variables are read in `keras_mwms/settings.py` only.
+- `KERAS_MWMS_*` environment variables are read in `keras_mwms/settings.py` only;
+- library code says things through the "keras_mwms" logger (`keras_mwms.log`) or
+  `warnings.warn`, never `print` or `sys.stdout/stderr.write`: those are for the programs
+  (launcher, CLI, demo, benchmark), whose output is their job.
 """
 
 from __future__ import annotations
@@ -19,11 +22,14 @@ from __future__ import annotations
 import ast
 import builtins
 import re
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "keras_mwms"
 ADAPTERS = ("tensorflow", "jax", "torch")
 MAX_CLASS_LINES = 300
+# The programs, whose output is their job, and the logger's default handler (stderr).
+PRINTERS = ("keras_mwms.launch", "keras_mwms.cli", "keras_mwms.demo", "keras_mwms.benchmark", "keras_mwms.log")
 
 
 def module_files() -> dict[str, Path]:
@@ -266,3 +272,35 @@ def test_the_read_finder_finds_reads_and_lets_writes_pass(tmp_path):
         "import os\nenv = {'KERAS_MWMS_Z': '1'}\nenv[settings.LEDGER.name] = '0'\n"
         "os.environ['KERAS_MWMS_Y'] = '1'\nenv.update(KERAS_MWMS_W='2')\n")
     assert environment_reads(tmp_path) == ["reads.py:3", "reads.py:4", "reads.py:5", "reads.py:6"]
+def may_print(module: str) -> bool:
+    return any(module == printer or module.startswith(printer + ".") for printer in PRINTERS)
+
+
+def test_library_code_does_not_print():
+    printers = []
+    for name, path in module_files().items():
+        if may_print(name):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            function = node.func
+            prints = isinstance(function, ast.Name) and function.id == "print"
+            writes = (isinstance(function, ast.Attribute) and function.attr == "write"
+                      and isinstance(function.value, ast.Attribute) and function.value.attr in ("stdout", "stderr")
+                      and isinstance(function.value.value, ast.Name) and function.value.value.id == "sys")
+            if prints or writes:
+                printers.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert printers == [], "use the keras_mwms logger (keras_mwms.log.get_logger(__name__)) instead"
+
+
+def test_print_finder_finds_a_print(tmp_path, monkeypatch):
+    (tmp_path / "chatty.py").write_text("import sys\nprint('hi')\nsys.stderr.write('x')\n")
+    monkeypatch.setattr(sys.modules[__name__], "module_files", lambda: {"keras_mwms.chatty": tmp_path / "chatty.py"})
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path)
+    try:
+        test_library_code_does_not_print()
+    except AssertionError as error:
+        assert "chatty.py:2" in str(error) and "chatty.py:3" in str(error)
+    else:
+        raise AssertionError("the print was not found")

@@ -57,4 +57,5 @@ def test_an_srun_step_without_thread_variables_splits_the_cores(tmp_path, monkey
         assert f"torch threads {expected}" in output, output[-3000:]
     announcement = f"keras_mwms: 2 workers share this host's {cores} cores: {expected} compute thread"
     assert ran.outputs[0].count(announcement) == 1, ran.outputs[0][-3000:]
+    assert f"[worker 0] {announcement}" in ran.outputs[0]   # labelled without the launcher (keras_mwms.log)
     assert announcement not in ran.outputs[1]

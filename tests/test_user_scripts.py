@@ -117,7 +117,8 @@ def runs(request, tmp_path_factory) -> Runs:
 def three_workers(runs, tmp_path_factory) -> Runs:
     """A second gang, of 3 workers, running only `THREE_WORKER_VARIANTS` (uneven splits)."""
     gang_dir = str(tmp_path_factory.mktemp(f"{runs.backend}_gang3"))
-    command = python_worker("user_scripts.py", gang_dir, "--only", ",".join(THREE_WORKER_VARIANTS))
+    command = python_worker("user_scripts.py", gang_dir, "--only", ",".join(THREE_WORKER_VARIANTS),
+                            "--log-level", "ERROR")   # a user silencing keras_mwms (test below)
     gang = run_gang(command, 3, GANG_TIMEOUT, env=worker_env(runs.backend))
     assert gang.returncode == 0, gang.output[-8000:]
     return Runs(runs.backend, gang_dir, runs.reference_dir, runs.single_dir, gang.output)
@@ -289,6 +290,18 @@ def test_callbacks_stop_every_worker_at_the_same_epoch(runs):
 def test_no_eager_collective_warning(runs):
     """TF's "Using CollectiveAllReduceStrategy eagerly" warning used to repeat every epoch."""
     assert "eagerly has significant overhead" not in runs.output
+
+
+@pytest.mark.slow
+def test_a_user_silences_keras_mwms_with_the_logging_level(runs, three_workers):
+    """The 3-worker gang sets `logging.getLogger("keras_mwms").setLevel(logging.ERROR)` before
+    importing keras_mwms (`--log-level ERROR`): none of keras_mwms' INFO or WARNING lines
+    print. The 2-worker gang, at the default level, shows them labelled by worker once."""
+    assert "[worker 0] keras_mwms: cluster of 2 workers from TF_CONFIG" in runs.output, runs.output[-4000:]
+    assert "[worker 0] [worker 0]" not in runs.output   # the launcher does not label a line twice
+    said = [line for line in three_workers.output.splitlines()
+            if re.match(r"\[worker \d\] (keras_mwms|BackupAndRestore)\b", line)]
+    assert said == [], said
 
 
 @pytest.mark.slow

@@ -35,7 +35,6 @@ Example:
 from __future__ import annotations
 
 import faulthandler
-import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +44,9 @@ import numpy as np
 from keras_mwms import diagnostics
 from keras_mwms.advice import advice_for
 from keras_mwms.errors import WorkerLostError
+from keras_mwms.log import get_logger
+
+logger = get_logger(__name__)
 
 # -- nests --------------------------------------------------------------------------------
 
@@ -518,6 +520,6 @@ def raise_worker_lost(backend: Any, where: str, error: BaseException, lost_ranks
     message = lost_worker_message(backend.worker_index, labels, where,
                                   str(error) or type(error).__name__,
                                   restart=advice_for(backend.resolver).restart)
-    print(message, file=sys.stderr, flush=True)
+    logger.error(message)
     start_exit_watchdog(backend.options.lost_worker_exit_seconds)
     raise WorkerLostError(message, lost_workers=lost_ranks, where=where) from error

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
-import warnings
 
 import keras
 
@@ -15,6 +13,10 @@ from keras_mwms import backup_files, io, resumable_inputs
 from keras_mwms.backends import resume
 from keras_mwms.callbacks import coordination
 from keras_mwms.errors import BackupAndRestoreError
+from keras_mwms.log import get_logger
+
+logger = get_logger(__name__)
+
 
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 
@@ -157,13 +159,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         if not coordination.is_chief():
             return
         workers = coordination.num_workers()
-        print(f"BackupAndRestore: resuming from {self.backup_dir} at epoch "
-              f"{metadata['epoch'] + 1}, step {metadata['step']} (saved by "
-              f"{metadata['num_workers']} worker(s))", flush=True)
+        logger.info(f"BackupAndRestore: resuming from {self.backup_dir} at epoch "
+                    f"{metadata['epoch'] + 1}, step {metadata['step']} (saved by "
+                    f"{metadata['num_workers']} worker(s))")
         if metadata["num_workers"] != workers:
-            print(self._worker_count_line(metadata, workers), flush=True)
+            logger.info(self._worker_count_line(metadata, workers))
         if note:   # a changed global batch, or an input whose order cannot resume exactly
-            print(note, file=sys.stderr, flush=True)
+            logger.warning(note)
 
     def _worker_count_line(self, metadata: dict, workers: int) -> str:
         saved = metadata.get("global_batch_rows")
@@ -197,8 +199,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                 failures.append(f"{name}: {error}")
                 continue
             if failures:
-                warnings.warn(f"BackupAndRestore: the latest backup could not be read "
-                              f"({failures[0]}); restored the previous one ({name}).", stacklevel=2)
+                logger.warning(f"BackupAndRestore: the latest backup could not be read "
+                               f"({failures[0]}); restored the previous one ({name}).")
             return package
         return (f"BackupAndRestore cannot restore from {self.backup_dir}: "
                 + "; ".join(failures)
@@ -235,8 +237,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _on_sigterm(self, signum, frame) -> None:
         del signum, frame
         self._sigterm_received = True
-        print(f"BackupAndRestore: worker {coordination.worker_index()} received SIGTERM; the job "
-              "backs up at the next check and stops", file=sys.stderr, flush=True)
+        logger.warning(f"BackupAndRestore: worker {coordination.worker_index()} received SIGTERM; the job "
+                       "backs up at the next check and stops")
 
     def _stop_watching(self) -> None:
         if self._previous_sigterm_handler is not None:
@@ -253,7 +255,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         message = (f"BackupAndRestore: preempted (SIGTERM) — backed up to {self.backup_dir} at "
                    f"epoch {epoch + 1}, step {step}; exiting with code {PREEMPTED_EXIT_CODE}. "
                    "Restart the job to resume from there.")
-        print(message, file=sys.stderr, flush=True)
+        logger.warning(message)
         raise TrainingPreempted(PREEMPTED_EXIT_CODE)
 
     # -- saving ---------------------------------------------------------------------------

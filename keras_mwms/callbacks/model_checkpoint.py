@@ -10,6 +10,9 @@ import keras
 
 from keras_mwms import io
 from keras_mwms.callbacks import coordination
+from keras_mwms.log import get_logger
+
+logger = get_logger(__name__)
 
 
 class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
@@ -70,7 +73,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
                     "this directory and has free space.",
                 ) from error
             if self.verbose > 0:
-                print(f"\nEpoch {epoch + 1}: finished saving model to {filepath}", flush=True)
+                logger.info(f"Epoch {epoch + 1}: finished saving model to {filepath}")
             return
         # Non-chief workers save too, into a private scratch directory that is deleted at once:
         # reading a variable may be a collective on some backends (e.g. JAX arrays sharded

@@ -30,8 +30,8 @@ keras_mwms epoch 4: seconds per worker (data wait / compute / collective wait); 
 
 from __future__ import annotations
 
+import logging
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +39,9 @@ from typing import Any
 from keras_mwms import settings
 from keras_mwms.backends.patches import Patch
 from keras_mwms.diagnostics.ledger import LEDGER
+from keras_mwms.log import get_logger
+
+logger = get_logger(__name__)
 
 RELATIVE_THRESHOLD = 0.2
 ABSOLUTE_THRESHOLD_SECONDS = 0.005
@@ -163,13 +166,13 @@ def _reporting_on_epoch_end(original: Callable) -> Callable:
         from keras_mwms import diagnostics
 
         watchdog = diagnostics.active_watchdog()
-        text = ""
+        report, text = None, ""
         if watchdog is not None and LEDGER.enabled:
-            _, text = on_epoch_end(epoch, watchdog)
+            report, text = on_epoch_end(epoch, watchdog)
         result = original(self, epoch, *args, **kwargs)
         if text:   # after the callbacks: below Keras' finished progress line, not inside it
-            sys.stdout.write(text + "\n")
-            sys.stdout.flush()
+            names = report["stragglers"] or len(report["times"]) < watchdog.num_workers
+            logger.log(logging.WARNING if names else logging.INFO, text)
         return result
 
     return on_epoch_end_hook

@@ -44,6 +44,7 @@ True
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import signal
 import socket
@@ -58,7 +59,9 @@ from keras_mwms.diagnostics import report as reports
 from keras_mwms.diagnostics import verdict as verdicts
 from keras_mwms.diagnostics.channel import Channel, resolve
 from keras_mwms.diagnostics.ledger import Ledger
+from keras_mwms.log import get_logger
 
+logger = get_logger(__name__)
 HANG_EXIT_CODE = 5
 TICK_SECONDS = 0.2
 COLLECT_SECONDS = 2.0
@@ -98,7 +101,7 @@ class Watchdog:
         ledger: this worker's ledger.
         launcher: the launcher's `host:port`, if it runs the gang.
         labels: how messages name each worker (default `worker I`).
-        output: where the verdict is printed (stderr).
+        output: where the verdict is written (default: the "keras_mwms" logger, `keras_mwms.log`).
     """
 
     def __init__(self, worker_index: int, addresses: list[str], threshold: float, ledger: Ledger,
@@ -347,9 +350,9 @@ class Watchdog:
             lasting = ("" if verdict is None else
                        f"\n  if this lasts {self.threshold:g} s, the verdict will be: {verdict.text.splitlines()[0]}")
             found = "no hang found" if verdict is None else "training goes on"
-            self._print(f"keras_mwms hang report (SIGUSR1): {found}; every worker:\n" +
-                        "\n".join(f"  worker {worker}: {verdicts._where(self._reports[worker])}"
-                                   for worker in sorted(self._reports)) + lasting)
+            self._say(logging.INFO, f"keras_mwms hang report (SIGUSR1): {found}; every worker:\n" +
+                      "\n".join(f"  worker {worker}: {verdicts._where(self._reports[worker])}"
+                                 for worker in sorted(self._reports)) + lasting)
         self._everyone({"type": "verdict", "final": False, "reporter": self.index})
         self._reset()
 
@@ -366,12 +369,12 @@ class Watchdog:
     def _end(self, verdict: verdicts.Verdict | None, text: str, reporter: int | None) -> None:
         """Prints the verdict (the reporter) or one line naming it, then ends this process."""
         if verdict is not None:
-            self._print(text)
+            self._say(logging.ERROR, text)
             time.sleep(LINGER_SECONDS)
         else:
             first_line = text.splitlines()[0] if text else "(no text)"
             finished = " (this worker had finished its script: exit status 0)" if self._announced_leaving else ""
-            self._print(f"keras_mwms worker {self.index}: ending after worker {reporter}'s hang verdict"
+            self._say(logging.ERROR, f"keras_mwms worker {self.index}: ending after worker {reporter}'s hang verdict"
                         f"{finished}: {first_line}")
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -382,10 +385,12 @@ class Watchdog:
         # engine's exit barrier for the stuck peers) ends as it would have: successfully.
         os._exit(0 if self._announced_leaving else HANG_EXIT_CODE)
 
-    def _print(self, text: str) -> None:
-        stream = self.output or sys.stderr
-        stream.write(text + "\n")
-        stream.flush()
+    def _say(self, level: int, text: str) -> None:
+        if self.output is None:
+            logger.log(level, text)
+        else:
+            self.output.write(text + "\n")
+            self.output.flush()
 
     def on_native_terminate(self) -> None:
         """A native thread called std::terminate (`keras_mwms.diagnostics.native`): report first.

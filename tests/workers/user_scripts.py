@@ -7,7 +7,10 @@ and `OUT/<variant>/w<index>.json` (history, evaluate, predictions, captured outp
 and the error if it raised). One variant's exception is recorded and the next one runs, so one
 gang serves every assertion.
 
-    python user_scripts.py OUT [--plain] [--only VARIANT,VARIANT]
+    python user_scripts.py OUT [--plain] [--only VARIANT,VARIANT] [--log-level LEVEL]
+
+`--log-level ERROR` silences keras_mwms as a user does, before importing it:
+`logging.getLogger("keras_mwms").setLevel(logging.ERROR)`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import logging
 import os
 import sys
 import traceback
@@ -27,7 +31,10 @@ parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("--plain", action="store_true", help="plain Keras, one process (the reference)")
 parser.add_argument("--only", default="", help="comma-separated variant names (default: all)")
+parser.add_argument("--log-level", help="the level of the keras_mwms logger (default: keras_mwms' INFO)")
 arguments = parser.parse_args()
+if arguments.log_level:
+    logging.getLogger("keras_mwms").setLevel(arguments.log_level)
 
 if arguments.plain:
     strategy = None

@@ -49,7 +49,9 @@ from keras_mwms.backends.jax.patches import PATCHES
 from keras_mwms.backends.patches import ObjectState, PatchTable
 from keras_mwms.communication import CommunicationImplementation
 from keras_mwms.errors import StrategyCreatedTooLateError
+from keras_mwms.log import get_logger
 
+logger = get_logger(__name__)
 DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = 120.0
 HEARTBEAT_TIMEOUT_SECONDS = 20
 SHUTDOWN_TIMEOUT_SECONDS = 20
@@ -470,7 +472,7 @@ def bind_gloo_to_tf_config_host(resolver) -> None:
 
     jax 0.10 has no public option for gloo's hostname: this builds the CPU client the way
     `xla_bridge` does, with `make_gloo_tcp_collectives(hostname=...)`. Private JAX API, so a
-    JAX without it keeps its default (with a warning) instead of failing.
+    JAX without it keeps its default (with a logged warning) instead of failing.
     """
     from keras_mwms import network
     from keras_mwms.cluster import split_address
@@ -486,9 +488,9 @@ def bind_gloo_to_tf_config_host(resolver) -> None:
         make_cpu_client = xla_bridge.make_cpu_client
         register = xla_bridge.register_backend_factory
     except (ImportError, AttributeError) as error:
-        warnings.warn(f"keras_mwms could not bind JAX's gloo to {own_host} (JAX {JaxBackend.version()} "
-                      f"changed its private API: {error}); gloo uses the host name's address.",
-                      stacklevel=4)
+        logger.warning(f"keras_mwms could not bind JAX's gloo to {own_host} (JAX {JaxBackend.version()} "
+                       f"changed its private API: {error}); gloo uses the host name's address.",
+                       worker=resolver)
         return
 
     def make_bound_cpu_client():

@@ -37,6 +37,9 @@ from typing import Any
 
 from keras_mwms.diagnostics import LEDGER
 from keras_mwms.errors import WorkerLostError
+from keras_mwms.log import get_logger
+
+logger = get_logger(__name__)
 
 LOST_WORKER_EXIT_CODE = 3
 CHIEF_LINGER_SECONDS = 6.0
@@ -184,8 +187,8 @@ class LostWorkerForensics:
             # JAX's shutdown barrier would hold this exit ~20 s while the peers wait in their next
             # collective and then abort without a name. Leaving now closes the gloo connections,
             # so every peer raises WorkerLostError naming this worker at once.
-            print(f"keras_mwms: worker {self.backend.worker_index} exits without JAX's shutdown "
-                  f"barrier after {self.failed}", file=sys.stderr, flush=True)
+            logger.error(f"keras_mwms: worker {self.backend.worker_index} exits without JAX's shutdown "
+                         f"barrier after {self.failed}")
             _exit(1)
         if self.lost:
             if self.backend.is_chief:
