@@ -23,6 +23,7 @@ from typing import Any
 from keras_mwms import active, devices, diagnostics, threads
 from keras_mwms.advice import advice_for
 from keras_mwms.backends import backend_class, callback_list, policy, resume
+from keras_mwms.backends.keras_api.usability import require_usable
 from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver
 from keras_mwms.communication import CommunicationOptions
 from keras_mwms.compat_v1 import CompatV1Methods
@@ -122,6 +123,8 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
         missing = devices.missing_backend_error({"KERAS_BACKEND": self._backend_name})
         if missing is not None:
             raise missing
+        # Before the rendezvous: a Keras keras_mwms cannot serve fails every worker at once.
+        require_usable(self._backend_name)
         backend_type = backend_class(self._backend_name)
         self._backend = backend_type(self._resolver, self._options, self._tf_config_at_creation)
         # One worker by choice (`keras_mwms.launch --workers 1`, e.g. one TensorFlow worker with

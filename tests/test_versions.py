@@ -15,9 +15,12 @@ import types
 import warnings
 from pathlib import Path
 
+import keras
 import pytest
 
 from keras_mwms.backends import patches
+from keras_mwms.backends.keras_api import anchors, targets
+from keras_mwms.backends.keras_api.anchors import Target
 from keras_mwms.backends.patches import (
     ALLOW_UNTESTED_ENV,
     ANY_KERAS,
@@ -74,7 +77,7 @@ def test_every_row_declares_supported_releases_and_private_keras_rows_name_them(
         for row in table:
             assert row.keras_versions, f"{table.name}:{row.name} declares no release"
             if row.keras_versions == ANY_KERAS:
-                assert not row.location().startswith("keras."), (
+                assert not isinstance(row.target, Target), (
                     f"{table.name}:{row.name} patches private Keras ({row.location()}) for any release")
                 continue
             assert set(row.keras_versions) <= set(SUPPORTED_KERAS), (table.name, row.name, row.keras_versions)
@@ -95,9 +98,30 @@ def test_rows_sharing_a_target_serve_different_releases_or_features():
 def test_every_row_for_the_installed_keras_finds_its_target():
     for table in all_tables():
         for row in table:
-            if isinstance(row.target, str) and row.serves_installed_keras():   # (not the stand-in strategy)
+            if isinstance(row.target, Target) and keras.backend.backend() not in row.target.needed_by:
+                continue                                 # another backend's row: its anchor finds this one's
+            if isinstance(row.target, (str, Target)) and row.serves_installed_keras():   # (not the stand-in strategy)
                 owner, attribute = row.resolve()
                 assert hasattr(owner, attribute), f"{row.name}: {row.location()} is missing"
+
+
+def test_every_private_keras_row_names_a_firewall_target():
+    declared = set(targets.ALL)
+    for table in all_tables():
+        for row in table:
+            if isinstance(row.target, str):
+                assert not row.target.startswith("keras"), f"{table.name}:{row.name} names Keras by a path"
+            elif isinstance(row.target, Target):
+                assert row.target in declared, f"{table.name}:{row.name}: {row.target} is not in keras_api.targets"
+
+
+def test_the_patch_tables_read_the_same_on_every_keras_release():
+    """Targets are written by anchor (`trainer.fit`), never by the class Keras gives them."""
+    for table in all_tables():
+        for line in table.markdown().splitlines()[2:]:
+            assert "TensorFlowTrainer" not in line and "JAXTrainer" not in line and "TorchTrainer" not in line
+    text = (REPO / "ARCHITECTURE.md").read_text()
+    assert anchors.markdown() in text, "ARCHITECTURE.md lacks the anchors' table (keras_api.anchors.markdown())"
 
 
 def test_the_patch_table_in_architecture_md_shows_every_rows_releases():
@@ -133,6 +157,20 @@ def test_an_unsupported_keras_is_a_clear_error_naming_both_releases_and_the_over
     assert f"Keras {version}" in message and "3.12–3.15" in message and ALLOW_UNTESTED_ENV in message
     assert "keras>=3.12,<3.16" in message and TESTED_KERAS[-1] in message
     assert holder.step() == "keras" and not table.installed      # nothing was changed
+
+
+def test_the_override_warns_once_per_process_whichever_tables_ask(installed, monkeypatch):
+    installed(keras="3.16.0.dev2026102704")
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
+    tables = [example_table(name)[0] for name in ("model-scope", "tensorflow", "jax", "callbacks")]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for table in tables:
+            table.install()
+    for table in tables:
+        table.uninstall()
+    said = [str(warning.message) for warning in caught if ALLOW_UNTESTED_ENV in str(warning.message)]
+    assert len(said) == 1, said
 
 
 def test_the_override_tries_an_unsupported_keras_with_one_warning(installed, monkeypatch):

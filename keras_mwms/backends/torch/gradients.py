@@ -91,7 +91,7 @@ def unsynchronized_batch_norm_statistics(model, backend: TorchEngine) -> list:
     cached = STATE.get(model, "batch_norm_statistics")
     if cached is not None:
         return cached
-    from keras.src.layers import BatchNormalization
+    from keras.layers import BatchNormalization
 
     statistics = []
     for layer in model._flatten_layers(include_self=False):
@@ -104,7 +104,7 @@ def unsynchronized_batch_norm_statistics(model, backend: TorchEngine) -> list:
 
 def loss_weight(backend: TorchEngine, optimizer) -> float:
     """The factor a worker's mean loss is multiplied by: its rows (÷ K under loss scaling)."""
-    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+    from keras.optimizers import LossScaleOptimizer
 
     rows = float(backend.step_rows)
     if not isinstance(optimizer, LossScaleOptimizer):
@@ -124,7 +124,7 @@ def average_gradients(backend: TorchEngine, model, grads: list, variables=None) 
     sum leaves float16's range (`policy.float16_gradients`).
     """
     averaged = averaged_over_workers(backend, model, grads, variables)
-    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+    from keras.optimizers import LossScaleOptimizer
 
     if isinstance(getattr(model, "optimizer", None), LossScaleOptimizer):
         in_float16 = policy.float16_gradients(model, None if variables is None else list(variables))
