@@ -272,3 +272,57 @@ def test_the_pins_are_inside_the_range_and_the_readme_table_shows_every_tested_r
     section = section[:section.find("\n## ", 3)]
     for release in TESTED_KERAS:
         assert f"| {release} |" in section, f"README's compatibility table lacks Keras {release}"
+
+
+# -- refused before the rendezvous, on a real Keras outside the range ----------------------------
+
+REFUSED_RELEASE = "3.11.3"
+
+
+def test_a_keras_outside_the_range_is_refused_before_the_rendezvous(tmp_path):
+    """Worker 0 of a 2-worker TF_CONFIG, alone, on a real Keras 3.11.3 overlay: the strategy
+    fails at once naming the release, with no wait for worker 1 at the rendezvous (whose
+    timeout is 120 s here). Importing Keras and JAX comes first and is timed apart: it alone
+    takes 2-25 s on a loaded 2-core machine."""
+    import json
+    import os
+    import subprocess
+
+    from keras_mwms.launch import find_free_ports
+
+    overlay = REPO / "build" / "keras-overlays" / f"keras-{REFUSED_RELEASE}"
+    if not (overlay / "keras").is_dir():
+        installed = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
+                                    str(overlay), f"keras=={REFUSED_RELEASE}"], capture_output=True, timeout=120)
+        if installed.returncode != 0:
+            pytest.skip(f"keras=={REFUSED_RELEASE} cannot be installed here: {installed.stderr[-300:]!r}")
+    ports = find_free_ports(2)
+    tf_config = {"cluster": {"worker": [f"localhost:{port}" for port in ports]}, "task": {"type": "worker", "index": 0}}
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(overlay), str(REPO)]), "KERAS_BACKEND": "jax",
+                   "TF_CONFIG": json.dumps(tf_config), "KERAS_MWMS_RENDEZVOUS_TIMEOUT": "120"}
+    environment.pop(ALLOW_UNTESTED_ENV, None)
+    script = ("import sys, time, keras, keras_mwms\n"
+              "started = time.monotonic()\n"
+              "try:\n    keras_mwms.MultiWorkerMirroredStrategy()\n"
+              "finally:\n    print(f'constructor {time.monotonic() - started:.2f}', file=sys.stderr)\n")
+    finished = subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True,
+                              timeout=110, cwd=tmp_path)
+    assert finished.returncode != 0
+    assert "KerasVersionError" in finished.stderr and f"Keras {REFUSED_RELEASE}" in finished.stderr, finished.stderr[-2000:]
+    assert ALLOW_UNTESTED_ENV in finished.stderr
+    elapsed = float(re.search(r"constructor ([0-9.]+)", finished.stderr).group(1))
+    assert elapsed < 10, f"refused {elapsed:.1f} s into MultiWorkerMirroredStrategy()"
+
+
+def test_a_missing_private_name_is_refused_naming_it_and_the_release(monkeypatch):
+    from keras_mwms.backends.keras_api import usability
+    from keras_mwms.errors import KerasVersionError
+
+    gone = Target(anchors.TRAINER, "no_such_method")
+    monkeypatch.setattr(targets, "ALL", (*targets.ALL, gone))
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
+    with pytest.raises(KerasVersionError) as error:
+        usability.require_usable(keras.backend.backend())
+    message = str(error.value)
+    assert "trainer.no_such_method (class of keras.Model defining make_train_function)" in message
+    assert f"Keras {keras.__version__}" in message and f"{ALLOW_UNTESTED_ENV}=1 cannot help" in message
