@@ -4,9 +4,12 @@ Construction order is the whole point of this module:
 
 1. **resolve** — take the given resolver, else detect the orchestrator (`TF_CONFIG`, a Slurm
    step, torchrun, MPI: `keras_mwms.resolvers.detect`) and log the chosen source on the chief;
-2. **rendezvous** — meet every worker over plain TCP, bounded and fingerprinted, so a missing
+2. **check Keras** — every private Keras name the backend needs, and the releases
+   (`keras_mwms.backends.keras_api.usability.require_usable`): a Keras keras_mwms cannot serve
+   fails every worker here, in seconds, not after the rendezvous;
+3. **rendezvous** — meet every worker over plain TCP, bounded and fingerprinted, so a missing
    or misconfigured worker is named instead of hanging a backend forever;
-3. **join** — start the backend's real collective engine (TF collectives, `jax.distributed`,
+4. **join** — start the backend's real collective engine (TF collectives, `jax.distributed`,
    `torch.distributed`) on the chief's address.
 
 Everything after construction is delegated to the backend adapter in `keras_mwms.backends`.

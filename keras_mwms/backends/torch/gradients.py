@@ -29,6 +29,7 @@ import torch
 
 from keras_mwms.backends import policy
 from keras_mwms.backends.compression import WIRE, wire_dtype
+from keras_mwms.backends.keras_api import attributes
 from keras_mwms.backends.torch import accumulation, metrics
 from keras_mwms.backends.torch.state import STATE
 from keras_mwms.diagnostics import LEDGER
@@ -94,7 +95,7 @@ def unsynchronized_batch_norm_statistics(model, backend: TorchEngine) -> list:
     from keras.layers import BatchNormalization
 
     statistics = []
-    for layer in model._flatten_layers(include_self=False):
+    for layer in attributes.flatten_layers(model):
         if (isinstance(layer, BatchNormalization) and layer.trainable
                 and not policy.global_batch_norm_moments(layer, backend.options)):
             statistics += [layer.moving_mean, layer.moving_variance]
