@@ -16,7 +16,8 @@ other module names `keras.src`):
 
 Example:
 
+>>> import keras
 >>> from keras_mwms.backends.keras_api import usability
->>> usability.missing_names("tensorflow")
+>>> usability.missing_names(keras.backend.backend())
 []
 """
