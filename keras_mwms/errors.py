@@ -18,6 +18,8 @@ public function or class still raise plain `TypeError`/`ValueError`, as Keras do
 | `WorkerLostError` | `RuntimeError` | a peer worker crashed, hung or left during training |
 | `WorkersDifferError` | `RuntimeError` | the workers' variables differ after `fit` or at a checkpoint |
 | `BackupAndRestoreError` | `RuntimeError` | a backup exists but cannot be restored |
+| `KerasVersionError` | `RuntimeError` | the installed Keras or backend lacks a private name keras_mwms needs, or is outside the supported releases without the override |
+| `KerasNameMissing` | `AttributeError` | the firewall resolves a private Keras name this Keras lacks (turned into a `KerasVersionError` at start) |
 
 `keras_mwms.callbacks.TrainingPreempted` is not an error: it is the `SystemExit` that ends a
 worker after a SIGTERM once its backup is saved, and stays outside `Exception` on purpose.
@@ -41,7 +43,7 @@ class KerasMwmsError(Exception):
     Subclasses:
         TFConfigError, ClusterEnvironmentError, EnvironmentVariableError, GpuAssignmentError,
         RendezvousError, StrategyCreatedTooLateError, NcclUnavailableError, WorkerLostError,
-        WorkersDifferError, BackupAndRestoreError.
+        WorkersDifferError, BackupAndRestoreError, KerasVersionError, KerasNameMissing.
     """
 
 
@@ -205,5 +207,35 @@ class BackupAndRestoreError(KerasMwmsError, RuntimeError):
     Example:
 
     >>> issubclass(BackupAndRestoreError, RuntimeError)
+    True
+    """
+
+
+class KerasVersionError(KerasMwmsError, RuntimeError):
+    """The installed Keras (or backend) is one keras_mwms cannot serve; raised before the
+    workers meet, by `MultiWorkerMirroredStrategy()` on every worker.
+
+    The message names the installed release, what is outside the supported range or which
+    private Keras names it lacks, the supported releases and the override
+    (`KERAS_MWMS_ALLOW_UNTESTED_KERAS=1`, which tries a release outside the range that still
+    has every name keras_mwms needs).
+
+    Example:
+
+    >>> isinstance(KerasVersionError("Keras 3.11.3 is not supported"), RuntimeError)
+    True
+    """
+
+
+class KerasNameMissing(KerasMwmsError, AttributeError):
+    """A private Keras name keras_mwms relies on is not in the installed Keras.
+
+    Raised by the Keras firewall (`keras_mwms.backends.keras_api`) when it resolves a name;
+    `MultiWorkerMirroredStrategy()` turns every such name into one `KerasVersionError` before
+    the workers meet.
+
+    Example:
+
+    >>> issubclass(KerasNameMissing, AttributeError)
     True
     """

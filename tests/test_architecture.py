@@ -14,7 +14,8 @@
 - `KERAS_MWMS_*` environment variables are read in `keras_mwms/settings.py` only;
 - library code says things through the "keras_mwms" logger (`keras_mwms.log`) or
   `warnings.warn`, never `print` or `sys.stdout/stderr.write`: those are for the programs
-  (launcher, CLI, demo, benchmark), whose output is their job.
+  (launcher, CLI, demo, benchmark), whose output is their job;
+- only the Keras firewall (`keras_mwms/backends/keras_api/`) names `keras.src`.
 """
 
 from __future__ import annotations
@@ -304,3 +305,15 @@ def test_print_finder_finds_a_print(tmp_path, monkeypatch):
         assert "chatty.py:2" in str(error) and "chatty.py:3" in str(error)
     else:
         raise AssertionError("the print was not found")
+FIREWALL = PACKAGE / "backends" / "keras_api"
+
+
+def test_only_the_keras_firewall_names_private_keras_modules():
+    """`keras.src` (imports, patch targets, docstrings, comments) appears only in
+    `keras_mwms/backends/keras_api/`: a Keras release that moves a private module changes
+    the firewall alone, and its usability check sees every name."""
+    offenders = [f"{path.relative_to(PACKAGE)}:{number}"
+                 for path in PACKAGE.rglob("*.py") if FIREWALL not in path.parents
+                 for number, line in enumerate(path.read_text().splitlines(), 1)
+                 if "keras.src" in line or "keras/src" in line]
+    assert offenders == []
