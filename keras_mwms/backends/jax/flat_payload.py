@@ -28,6 +28,7 @@ Example (one worker, so the "all-reduced" sums are the packed vectors themselves
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -62,12 +63,12 @@ class FlatLayout:
     float16: list[bool] = dataclasses.field(default_factory=list)
     accumulating: int = 0
 
-    @property
+    @functools.cached_property
     def summed(self) -> list[int]:
-        """Metric state indices summed in the exact vectors."""
+        """Metric state indices summed in the exact vectors (computed once: read every step)."""
         return [i for i, op in enumerate(self.reductions) if op == "sum"]
 
-    @property
+    @functools.cached_property
     def gathered(self) -> list[int]:
         """Metric state indices combined from one all-gather (max/min/first)."""
         return [i for i, op in enumerate(self.reductions) if op != "sum"]
