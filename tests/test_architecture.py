@@ -15,7 +15,9 @@
 - library code says things through the "keras_mwms" logger (`keras_mwms.log`) or
   `warnings.warn`, never `print` or `sys.stdout/stderr.write`: those are for the programs
   (launcher, CLI, demo, benchmark), whose output is their job;
-- only the Keras firewall (`keras_mwms/backends/keras_api/`) names `keras.src`.
+- only the Keras firewall (`keras_mwms/backends/keras_api/`) names `keras.src`;
+- no function anywhere in the package is longer than 100 lines (nested ones included): a
+  feature interaction gets a function of its own that can be tested alone.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ ADAPTERS = ("tensorflow", "jax", "torch")
 MAX_CLASS_LINES = 300
 # The programs, whose output is their job, and the logger's default handler (stderr).
 PRINTERS = ("keras_mwms.launch", "keras_mwms.cli", "keras_mwms.demo", "keras_mwms.benchmark", "keras_mwms.log")
+MAX_FUNCTION_LINES = 100
+LONG_FUNCTIONS_ALLOWED: set[str] = set()
 
 
 def module_files() -> dict[str, Path]:
@@ -143,6 +147,35 @@ def test_no_backend_class_over_300_lines():
                 if lines > MAX_CLASS_LINES:
                     long_classes.append(f"{path.relative_to(PACKAGE)}:{node.name} ({lines} lines)")
     assert long_classes == []
+
+
+def function_lengths(tree: ast.AST, prefix: str = "") -> dict[str, int]:
+    """Qualified name (`Class.method.inner`) → lines from `def` to its end, nested functions included."""
+    lengths = {}
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = prefix + node.name
+            if not isinstance(node, ast.ClassDef):
+                lengths[name] = node.end_lineno - node.lineno + 1
+            lengths.update(function_lengths(node, name + "."))
+        else:
+            lengths.update(function_lengths(node, prefix))
+    return lengths
+
+
+def test_no_function_over_100_lines():
+    long_functions = {}
+    for path in PACKAGE.rglob("*.py"):
+        for name, lines in function_lengths(ast.parse(path.read_text())).items():
+            if lines > MAX_FUNCTION_LINES:
+                long_functions[f"{path.relative_to(PACKAGE).as_posix()}:{name}"] = lines
+    assert {name: lines for name, lines in long_functions.items() if name not in LONG_FUNCTIONS_ALLOWED} == {}
+
+
+def test_function_lengths_count_nested_functions_and_methods():
+    source = "def outer():\n    def inner():\n        pass\n\n\nclass A:\n    def method(self):\n        if 1:\n" \
+             "            def deep():\n                pass\n"
+    assert function_lengths(ast.parse(source)) == {"outer": 3, "outer.inner": 2, "A.method": 4, "A.method.deep": 2}
 
 
 def test_no_keras_mwms_attributes_set_on_keras_objects():

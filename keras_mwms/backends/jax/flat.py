@@ -50,6 +50,17 @@ import numpy as np
 
 from keras_mwms.backends import policy
 from keras_mwms.backends.compression import WIRE, wire_dtype
+from keras_mwms.backends.jax.flat_payload import (
+    FlatLayout,
+    MicroStepCounter,
+    PayloadReader,
+    accumulated_payload,
+    gather_and_reduce,
+    mark_float16_overflow,
+    pack,
+    unflatten,
+    vector_dtypes,
+)
 from keras_mwms.backends.keras_api import attributes, internals
 from keras_mwms.diagnostics import LEDGER
 
@@ -256,206 +267,83 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
     accumulate; the K-th also all-reduces accumulators + share once and zeroes the
     accumulators, so Keras applies `Σ_k g_k / K`, one process's update, bit-identical everywhere.
     """
+    step = FlatTrainStep(model, collectives, guard, all_gather, flat_layout(model, compression))
+
+    def train_step(state, data):
+        with LEDGER.train_step(caller=3):   # Keras' iterator_step, then fit/train_on_batch
+            return step(state, *internals.unpack_x_y_sample_weight(data))
+
+    return train_step
+
+
+def flat_layout(model, compression: str | None = None) -> FlatLayout:
+    """Which of `model`'s step values travel in which flat vector (`flat_payload.FlatLayout`)."""
     import jax
-    import jax.numpy as jnp
-    optimizer = model.optimizer
-    statistics = _batch_norm_statistics_indices(model)
+
     # Metric states summed across workers ride in the gradient all-reduce (batch logs are then
     # global at no extra collective); max/min/first states, if any, take one all-gather per step.
     reductions = [policy.metric_reduction(metric, variable) for metric in model.metrics for variable in metric.variables]
-    summed = [i for i, op in enumerate(reductions) if op == "sum"]
-    gathered = [i for i, op in enumerate(reductions) if op != "sum"]
     metric_dtypes = [str(variable.dtype) for variable in model.metrics_variables]
     # Gradient dtypes sent in 16 bits, each as a vector of its own (the others stay exact).
-    wires = {dtype: wire_dtype(compression, dtype) for dtype in dict.fromkeys(
-        str(v.dtype) for v in model.trainable_variables) if wire_dtype(compression, dtype)}
-    dtypes = list(dict.fromkeys([str(v.dtype) for v in model.trainable_variables if str(v.dtype) not in wires]
-                                + [metric_dtypes[i] for i in summed]))
-    if "float32" not in dtypes:
-        dtypes.append("float32")  # carries the row count
+    gradient_dtypes = [str(variable.dtype) for variable in model.trainable_variables]
+    wires = {dtype: wire_dtype(compression, dtype) for dtype in dict.fromkeys(gradient_dtypes)
+             if wire_dtype(compression, dtype)}
+    dtypes = vector_dtypes([dtype for dtype in gradient_dtypes if dtype not in wires],
+                           [metric_dtypes[i] for i, op in enumerate(reductions) if op == "sum"])
     # Under a LossScaleOptimizer each worker differentiates 1 / workers of its shard's mean loss:
     # per row, the float16 values of the scaled backward are then one process's, so a step
     # overflows (and is skipped) at the loss scale one process's does. Undone on the gradients.
     from keras.optimizers import LossScaleOptimizer
 
-    scaled_loss = isinstance(optimizer, LossScaleOptimizer)
-    share = 1.0 / jax.process_count() if scaled_loss else 1.0
-    # ... and a summed gradient one process computes in float16 is inf beyond float16's range.
-    in_float16 = policy.float16_gradients(model) if scaled_loss else [False] * len(model.trainable_variables)
-    # Gradient accumulation: micro-steps keep their gradients local, the K-th all-reduces the sum.
-    accumulating = policy.accumulation_steps(optimizer) if not wires else 0
-    iterations_position = next(
-        (i for i, variable in enumerate(optimizer.variables) if variable is optimizer._iterations), None)
+    scaled_loss = isinstance(model.optimizer, LossScaleOptimizer)
+    return FlatLayout(
+        dtypes=dtypes, wires=wires, statistics=_batch_norm_statistics_indices(model), reductions=reductions,
+        share=1.0 / jax.process_count() if scaled_loss else 1.0,
+        # ... and a summed gradient one process computes in float16 is inf beyond float16's range.
+        float16=policy.float16_gradients(model) if scaled_loss else [False] * len(model.trainable_variables),
+        # Gradient accumulation: micro-steps keep their gradients local, the K-th all-reduces the sum.
+        accumulating=policy.accumulation_steps(model.optimizer) if not wires else 0)
 
-    def loss_share(*args, **kwargs):
-        loss, aux = model.compute_loss_and_updates(*args, **kwargs)
-        return (loss * share if share != 1.0 else loss), aux
 
-    def local_part(trainable, non_trainable, optimizer_variables, metrics, x, y, sample_weight, rows):
-        grad_fn = jax.value_and_grad(loss_share, has_aux=True)
-        (_, aux), grads = grad_fn(trainable, non_trainable, metrics, x, y, sample_weight, training=True,
-                                  optimizer_variables=optimizer_variables)
-        unscaled_loss, y_pred, non_trainable, new_metrics = aux
-        logs, new_metrics = model._update_metrics_variables(new_metrics, unscaled_loss, x, y, y_pred,
-                                                            sample_weight)
-        # A worker with no rows ran on a dummy row: its metric states must not count it.
-        metrics = [jnp.where(rows > 0, new, old) for new, old in zip(new_metrics, metrics)]
-        pieces: dict[str, list] = {dtype: [] for dtype in dtypes}
-        wire_pieces: dict[str, list] = {dtype: [] for dtype in wires}
-        local_grads = [grad * rows.astype(grad.dtype) for grad in grads] if accumulating else []
-        for grad in grads if not accumulating else ():
-            (wire_pieces if str(grad.dtype) in wires else pieces)[str(grad.dtype)].append(
-                (grad * (rows / share).astype(grad.dtype)).ravel())
-        for i in statistics:
-            value = non_trainable[i]
-            pieces[str(value.dtype)].append((value * rows.astype(value.dtype)).ravel())
-        for i in summed:
-            pieces[str(metrics[i].dtype)].append(jnp.ravel(metrics[i]))
-        pieces["float32"].append(rows.reshape(1))
-        payloads = tuple(jnp.concatenate(pieces[dtype]) for dtype in dtypes)
-        compressed = tuple(_to_wire(jnp.concatenate(wire_pieces[dtype]), wire) for dtype, wire in wires.items())
-        return payloads + compressed, non_trainable, metrics, logs, [metrics[i] for i in gathered], local_grads
+class FlatTrainStep:
+    """One model's train step on the flat path: a jitted local part, the collectives, a jitted apply.
 
-    def _to_wire(flat, wire):
-        # bf16 travels as its bits in an all-gather (XLA on CPU would widen a bf16 all-reduce).
-        flat = flat.astype(wire)
-        return jax.lax.bitcast_convert_type(flat, jnp.uint16) if wire == "bfloat16" else flat
+    Called with Keras' step state and an unpacked batch, it returns `(logs, state)` as Keras'
+    `train_step` does (see `make_flat_train_step`); what travels is `layout`'s.
+    """
 
-    def _from_wire(reduced, dtype, wire):
-        if wire != "bfloat16":
-            return reduced.astype(dtype)
-        parts = jax.lax.bitcast_convert_type(reduced, jnp.bfloat16).astype(jnp.float32)
-        total = parts[0]
-        for part in parts[1:]:   # in worker order: the same bits on every worker
-            total = total + part
-        return total.astype(dtype)
+    def __init__(self, model, collectives: FlatCollectives, guard: Callable[..., Any],
+                 all_gather: Callable[[np.ndarray], np.ndarray], layout: FlatLayout):
+        import jax
 
-    def apply_part(trainable, non_trainable, optimizer_variables, metrics, sums, reduced_gathered,
-                   accumulated=None, update=False):
-        by_dtype = dict(zip(dtypes, sums))
-        # The compressed gradients, back in their own dtype, under ("gradients", dtype).
-        by_dtype.update({("gradients", dtype): _from_wire(reduced, dtype, wire)
-                         for (dtype, wire), reduced in zip(wires.items(), sums[len(dtypes):])})
-        total_rows = by_dtype["float32"][-1]
-        offsets = dict.fromkeys(by_dtype, 0)
+        self._model, self._optimizer, self.layout = model, model.optimizer, layout
+        self._collectives, self._guard, self._all_gather = collectives, guard, all_gather
+        self._micro_steps = MicroStepCounter(next((i for i, variable in enumerate(self._optimizer.variables)
+                                                   if variable is self._optimizer._iterations), None))
+        # Everything committed to this worker's device: otherwise the first steps (variables fresh
+        # from numpy are "uncommitted", step outputs are "committed") compile the step three times.
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        self._local = jax.jit(self.local_part, in_shardings=device, out_shardings=device)
+        self._apply = jax.jit(self.apply_part, donate_argnums=(0, 1, 2), static_argnums=(7,), in_shardings=device,
+                              out_shardings=device)
+        self._payload = jax.jit(self.update_payload, in_shardings=device, out_shardings=device)
 
-        def take(like, scale=True, gradient=False):
-            dtype = str(like.dtype)
-            if gradient and dtype in wires:
-                dtype = ("gradients", dtype)
-            start = offsets[dtype]
-            offsets[dtype] = start + like.size
-            flat = by_dtype[dtype][start:start + like.size]
-            if scale:
-                flat = flat / total_rows.astype(flat.dtype)
-            return flat.reshape(like.shape)
-
-        if accumulated is None:
-            grads = [take(variable, gradient=True) for variable in trainable]
-        elif update:   # Σ_w (accumulator + share): Keras adds its zeroed accumulators, divides by K
-            grads = _unflatten(accumulated, trainable)
-            optimizer_variables = list(optimizer_variables)
-            for position in accumulator_positions():
-                optimizer_variables[position] = jnp.zeros_like(optimizer_variables[position])
-        else:          # this worker's share: Keras adds it to its accumulators
-            grads = [grad / total_rows.astype(grad.dtype) for grad in accumulated]
-        grads = [jnp.where(jnp.abs(grad) >= policy.FLOAT16_OVERFLOW, jnp.inf, grad) if flagged else grad
-                 for grad, flagged in zip(grads, in_float16)]
-        non_trainable = list(non_trainable)
-        for i in statistics:
-            non_trainable[i] = take(non_trainable[i])
-        global_metrics = list(metrics)
-        for i in summed:
-            global_metrics[i] = take(metrics[i], scale=False)
-        for i, value in zip(gathered, reduced_gathered):
-            global_metrics[i] = value.astype(metrics[i].dtype).reshape(metrics[i].shape)
-        trainable, optimizer_variables = optimizer.stateless_apply(optimizer_variables, grads, trainable)
-        return trainable, non_trainable, optimizer_variables, global_results(global_metrics)
-
-    def global_results(global_metrics):
-        """Metric results from the all-worker state (the local state itself stays local)."""
-        from keras import StatelessScope
-
-        with StatelessScope(state_mapping=list(zip(model.metrics_variables, global_metrics))):
-            return model.get_metrics_result()
-
-    # Everything committed to this worker's device: otherwise the first steps (variables fresh
-    # from numpy are "uncommitted", step outputs are "committed") compile the step three times.
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    local_jit = jax.jit(local_part, in_shardings=device, out_shardings=device)
-    apply_jit = jax.jit(apply_part, donate_argnums=(0, 1, 2), static_argnums=(7,), in_shardings=device,
-                        out_shardings=device)
-
-    def accumulator_positions() -> list[int]:
-        # Where each trainable variable's accumulator sits in the optimizer's variables.
-        position = {id(variable): i for i, variable in enumerate(optimizer.variables)}
-        return [position[id(optimizer._accumulated_gradients[optimizer._get_variable_index(variable)])]
-                for variable in model.trainable_variables]
-
-    def update_payload(local_grads, sums, optimizer_variables):
-        # This worker's accumulators plus its share of the last micro-step, one vector per dtype.
-        total_rows = sums[dtypes.index("float32")][-1]
-        flat: dict[str, list] = {}
-        for grad, position in zip(local_grads, accumulator_positions()):
-            total = grad / total_rows.astype(grad.dtype) + optimizer_variables[position]
-            flat.setdefault(str(grad.dtype), []).append(total.ravel())
-        return [jnp.concatenate(pieces) for pieces in flat.values()]
-
-    def _unflatten(vectors, like):
-        offsets = {str(vector.dtype): [vector, 0] for vector in vectors}
-        out = []
-        for variable in like:
-            slot = offsets[str(variable.dtype)]
-            out.append(slot[0][slot[1]:slot[1] + variable.size].reshape(variable.shape))
-            slot[1] += variable.size
-        return out
-
-    payload_jit = jax.jit(update_payload, in_shardings=device, out_shardings=device)
-    # The optimizer's micro-step count, read from the device only when the state did not come
-    # from this step's last apply (a new fit, a restored or assigned optimizer): no sync per step.
-    iterations_seen: dict[str, Any] = {"array": None, "value": 0}
-
-    def iteration_of(optimizer_variables) -> int:
-        current = optimizer_variables[iterations_position]
-        if current is not iterations_seen["array"]:
-            iterations_seen.update(array=current, value=int(current))
-        return iterations_seen["value"]
-
-    def train_step(state, data):
-        with LEDGER.train_step(caller=3):   # Keras' iterator_step, then fit/train_on_batch
-            return local_step(state, data)
-
-    def local_step(state, data):
+    def __call__(self, state, x, y, sample_weight):
+        layout = self.layout
         trainable, non_trainable, optimizer_variables, metrics = state
-        x, y, sample_weight = internals.unpack_x_y_sample_weight(data)
         rows = policy.rows_of(x)
         if rows == 0:   # no rows of a short last batch: one zero-weight row joins the collectives
             x, y, sample_weight = policy.dummy_row(x), policy.dummy_row(y), np.zeros((1,), np.float32)
-        payloads, new_non_trainable, new_metrics, logs, local_gathered, local_grads = local_jit(
+        payloads, new_non_trainable, new_metrics, logs, local_gathered, local_grads = self._local(
             trainable, non_trainable, optimizer_variables, metrics, x, y, sample_weight, np.float32(rows))
-        # Waited for inside the guard (the apply needs it next anyway): the ledger then times
-        # the all-reduce itself, not JAX's asynchronous dispatch of it.
-        reduce = (lambda call: guard(call, "row all-reduce")) if accumulating else guard
-        sums = reduce(lambda: jax.block_until_ready(
-            [collectives.all_reduce_sum(payload) for payload in payloads[:len(dtypes)]]
-            + [collectives.all_gather(payload) if wire == "bfloat16" else collectives.all_reduce_sum(payload)
-               for payload, wire in zip(payloads[len(dtypes):], wires.values())]))
-        WIRE.add(sum(payload.size * payload.dtype.itemsize for payload in payloads))
-        reduced = guard(lambda: gather_and_reduce(local_gathered)) if gathered else []
-        accumulated, update = None, False
-        if accumulating:
-            accumulated = local_grads
-            update = (iteration_of(optimizer_variables) + 1) % accumulating == 0
-            if update:
-                payload = payload_jit(local_grads, sums, optimizer_variables)
-                accumulated = guard(lambda: jax.block_until_ready(
-                    [collectives.all_reduce_sum(vector) for vector in payload]))
-                WIRE.add(sum(vector.size * vector.dtype.itemsize for vector in payload))
-        trainable, new_non_trainable, optimizer_variables, global_logs = apply_jit(
+        sums = self._all_reduce(payloads)
+        reduced = self._guard(lambda: gather_and_reduce(
+            local_gathered, [layout.reductions[i] for i in layout.gathered], self._all_gather)) if layout.gathered else []
+        accumulated, update = self._accumulate(local_grads, sums, optimizer_variables)
+        trainable, new_non_trainable, optimizer_variables, global_logs = self._apply(
             trainable, new_non_trainable, optimizer_variables, new_metrics, sums, reduced, accumulated, update)
-        if accumulating:   # Keras' apply counted one micro-step
-            iterations_seen.update(array=optimizer_variables[iterations_position],
-                                   value=iterations_seen["value"] + 1)
+        if layout.accumulating:   # Keras' apply counted one micro-step
+            self._micro_steps.advanced(after=optimizer_variables)
         # Batch logs are global, as on TensorFlow and torch: callbacks that stop on a logged value
         # (TerminateOnNaN, a batch-level EarlyStopping) decide alike on every worker. Local logs
         # let one worker stop a step early and the others hang in the next collective.
@@ -463,17 +351,108 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
             logs = global_logs
         return logs, (trainable, new_non_trainable, optimizer_variables, new_metrics)
 
-    def gather_and_reduce(values):
-        flat = np.concatenate([np.asarray(value, np.float64).ravel() for value in values])
-        parts = all_gather(flat)
-        out, offset = [], 0
-        for i, value in zip(gathered, values):
-            size = int(np.size(value))
-            out.append(policy.reduce_gathered(parts[:, offset:offset + size], reductions[i]))
-            offset += size
-        return out
+    def loss_share(self, *args, **kwargs):
+        """Keras' loss and updates, the loss times `layout.share`."""
+        loss, aux = self._model.compute_loss_and_updates(*args, **kwargs)
+        share = self.layout.share
+        return (loss * share if share != 1.0 else loss), aux
 
-    return train_step
+    def local_part(self, trainable, non_trainable, optimizer_variables, metrics, x, y, sample_weight, rows):
+        """Jitted: loss, gradients and metric updates on this worker's rows; the vectors to send."""
+        import jax
+        import jax.numpy as jnp
+
+        layout = self.layout
+        grad_fn = jax.value_and_grad(self.loss_share, has_aux=True)
+        (_, aux), grads = grad_fn(trainable, non_trainable, metrics, x, y, sample_weight, training=True,
+                                  optimizer_variables=optimizer_variables)
+        unscaled_loss, y_pred, non_trainable, new_metrics = aux
+        logs, new_metrics = self._model._update_metrics_variables(new_metrics, unscaled_loss, x, y, y_pred,
+                                                                  sample_weight)
+        # A worker with no rows ran on a dummy row: its metric states must not count it.
+        metrics = [jnp.where(rows > 0, new, old) for new, old in zip(new_metrics, metrics)]
+        local_grads = [grad * rows.astype(grad.dtype) for grad in grads] if layout.accumulating else []
+        payloads = pack(layout, grads if not layout.accumulating else (),
+                        [non_trainable[i] for i in layout.statistics], [metrics[i] for i in layout.summed], rows)
+        return payloads, non_trainable, metrics, logs, [metrics[i] for i in layout.gathered], local_grads
+
+    def apply_part(self, trainable, non_trainable, optimizer_variables, metrics, sums, reduced_gathered,
+                   accumulated=None, update=False):
+        """Jitted: the global gradients, statistics and metric states read back; the optimizer applied."""
+        import jax.numpy as jnp
+
+        layout = self.layout
+        reader = PayloadReader(layout, sums)
+        if accumulated is None:
+            grads = [reader.take(variable, gradient=True) for variable in trainable]
+        elif update:   # Σ_w (accumulator + share): Keras adds its zeroed accumulators, divides by K
+            grads = unflatten(accumulated, trainable)
+            optimizer_variables = list(optimizer_variables)
+            for position in self.accumulator_positions():
+                optimizer_variables[position] = jnp.zeros_like(optimizer_variables[position])
+        else:          # this worker's share: Keras adds it to its accumulators
+            grads = [grad / reader.total_rows.astype(grad.dtype) for grad in accumulated]
+        grads = mark_float16_overflow(grads, layout.float16)
+        non_trainable = list(non_trainable)
+        for i in layout.statistics:
+            non_trainable[i] = reader.take(non_trainable[i])
+        global_metrics = list(metrics)
+        for i in layout.summed:
+            global_metrics[i] = reader.take(metrics[i], scale=False)
+        for i, value in zip(layout.gathered, reduced_gathered):
+            global_metrics[i] = value.astype(metrics[i].dtype).reshape(metrics[i].shape)
+        trainable, optimizer_variables = self._optimizer.stateless_apply(optimizer_variables, grads, trainable)
+        return trainable, non_trainable, optimizer_variables, self.global_results(global_metrics)
+
+    def global_results(self, global_metrics):
+        """Metric results from the all-worker state (the local state itself stays local)."""
+        from keras import StatelessScope
+
+        with StatelessScope(state_mapping=list(zip(self._model.metrics_variables, global_metrics))):
+            return self._model.get_metrics_result()
+
+    def accumulator_positions(self) -> list[int]:
+        """Where each trainable variable's accumulator sits in the optimizer's variables."""
+        optimizer = self._optimizer
+        position = {id(variable): i for i, variable in enumerate(optimizer.variables)}
+        return [position[id(optimizer._accumulated_gradients[optimizer._get_variable_index(variable)])]
+                for variable in self._model.trainable_variables]
+
+    def update_payload(self, local_grads, sums, optimizer_variables):
+        """Jitted: this worker's accumulators plus its share of the last micro-step, one vector per dtype."""
+        total_rows = sums[self.layout.dtypes.index("float32")][-1]
+        return accumulated_payload(local_grads, [optimizer_variables[position]
+                                                 for position in self.accumulator_positions()], total_rows)
+
+    def _all_reduce(self, payloads: tuple) -> list:
+        """The step's vectors summed over workers (bf16 ones all-gathered), in one guarded wait."""
+        import jax
+
+        exact, collectives = len(self.layout.dtypes), self._collectives
+        # Waited for inside the guard (the apply needs it next anyway): the ledger then times
+        # the all-reduce itself, not JAX's asynchronous dispatch of it.
+        reduce = (lambda call: self._guard(call, "row all-reduce")) if self.layout.accumulating else self._guard
+        sums = reduce(lambda: jax.block_until_ready(
+            [collectives.all_reduce_sum(payload) for payload in payloads[:exact]]
+            + [collectives.all_gather(payload) if wire == "bfloat16" else collectives.all_reduce_sum(payload)
+               for payload, wire in zip(payloads[exact:], self.layout.wires.values())]))
+        WIRE.add(sum(payload.size * payload.dtype.itemsize for payload in payloads))
+        return sums
+
+    def _accumulate(self, local_grads: list, sums: list, optimizer_variables) -> tuple[Any, bool]:
+        """`(accumulated, update)` for the apply: `(None, False)` without accumulation, this
+        worker's share on a micro-step, the all-reduced accumulators + share on the K-th."""
+        import jax
+
+        if not self.layout.accumulating:
+            return None, False
+        if (self._micro_steps.current(optimizer_variables) + 1) % self.layout.accumulating != 0:
+            return local_grads, False
+        payload = self._payload(local_grads, sums, optimizer_variables)
+        accumulated = self._guard(lambda: jax.block_until_ready(
+            [self._collectives.all_reduce_sum(vector) for vector in payload]))
+        WIRE.add(sum(vector.size * vector.dtype.itemsize for vector in payload))
+        return accumulated, True
 
 
 def skip_empty_test_step(model, test_step: Callable) -> Callable:
