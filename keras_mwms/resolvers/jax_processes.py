@@ -75,6 +75,8 @@ class JaxClusterResolver(EnvironmentClusterResolver):
         environ: the variables to read instead of `os.environ` (for tests and tools).
     """
 
+    restart_advice = "Restart every process (a TrainJob restarts its pods per its restart policy)"
+
     def __init__(self, hosts: str | Sequence[str] | None = None, rpc_layer: str | None = None,
                  timeout: float | None = None, environ: Mapping[str, str] | None = None):
         environ = os.environ if environ is None else environ

@@ -45,6 +45,9 @@ class RayTrainClusterResolver(JaxClusterResolver):
         timeout: seconds to wait for every worker's host. Default the rendezvous timeout.
     """
 
+    members_advice = "Keep every worker of the Ray Train worker group alive"
+    restart_advice = "Let Ray restart the group (RunConfig(failure_config=FailureConfig(max_failures=N)))"
+
     def __init__(self, hosts: str | Sequence[str] | None = None, rpc_layer: str | None = None,
                  timeout: float | None = None):
         import ray

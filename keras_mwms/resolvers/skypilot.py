@@ -88,6 +88,9 @@ class SkyPilotClusterResolver(EnvironmentClusterResolver):
         environ: the variables to read instead of `os.environ` (for tests and tools).
     """
 
+    members_advice = "Start the script on every node of the SkyPilot task (and on every GPU, one worker per GPU)"
+    restart_advice = "Run the task again (sky launch, or a managed job: sky jobs launch)"
+
     def __init__(self, port_base: int | None = None, rpc_layer: str | None = None,
                  environ: Mapping[str, str] | None = None):
         environ = os.environ if environ is None else environ

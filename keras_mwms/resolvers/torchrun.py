@@ -56,6 +56,8 @@ class TorchrunClusterResolver(EnvironmentClusterResolver):
         environ: the variables to read instead of `os.environ` (for tests and tools).
     """
 
+    restart_advice = "Restart it (torchrun --max-restarts N restarts its workers)"
+
     def __init__(self, hosts: Sequence[str] | None = None, rpc_layer: str | None = None,
                  timeout: float | None = None, environ: Mapping[str, str] | None = None):
         environ = os.environ if environ is None else environ
