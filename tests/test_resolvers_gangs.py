@@ -3,17 +3,24 @@
 Every backend under every style, on localhost:
 
 * `srun`: the `SLURM_*` variables `srun --ntasks 2` exports on one node (no Slurm here);
-* `torchrun --nproc-per-node 2` (torch ships it), whatever the Keras backend: the strategy finds
-  `RANK`/`WORLD_SIZE`/`MASTER_PORT` by itself and listens on `MASTER_PORT + 1 + LOCAL_RANK`,
-  next to torchrun's own store on `MASTER_PORT`;
+* `torchrun` (torch ships it) configured only by Kubeflow Trainer's `PET_*` variables, whatever the
+  Keras backend: the strategy finds `RANK`/`WORLD_SIZE`/`MASTER_PORT` by itself and listens on
+  `MASTER_PORT + 1 + LOCAL_RANK`, next to torchrun's own store on `MASTER_PORT`;
 * `mpirun`: the `OMPI_COMM_WORLD_*` variables Open MPI exports (no MPI is installed here; JAX's
-  own Open MPI detection must not get in the way).
+  own Open MPI detection must not get in the way);
+* Kubeflow Trainer's JAX runtime: only `JAX_NUM_PROCESSES`/`JAX_PROCESS_ID`/`JAX_COORDINATOR_ADDRESS`
+  (hosts exchanged at the coordinator);
+* SkyPilot: a one-node task starting one process per "GPU" (`LOCAL_RANK`), `SKYPILOT_*` set.
+
+With `ray[train]` installed (the `ray` extra), one local Ray cluster also runs the same fit under
+TensorflowTrainer, TorchTrainer and JaxTrainer (`tests/workers/ray_fit.py`), Ray restarting the
+group once and BackupAndRestore resuming it; without Ray those cases skip, saying so.
 
 tests/test_two_hosts.py adds the Slurm style across two network namespaces. Each gang runs
 `tests/workers/two_hosts_fit.py` (2 epochs of SGD on fixed data); the workers must end
 bit-identical and within 1e-5 of one process (one reference per backend, shared), report the
 resolver the strategy picked with no TF_CONFIG set, and the chief alone must log the source
-once. A gang takes 11-15 s here, so the 9 runs plus 3 references cost about 2.5 minutes.
+once. A gang takes 11-15 s here, so the 15 runs plus 3 references cost about 4 minutes.
 A last test starts two PyTorchJob-style "pods" (one process each, no LOCAL_WORLD_SIZE) that
 exchange their hosts through the store rank 0 opens on MASTER_PORT.
 """
