@@ -42,7 +42,7 @@ from tests.multiworker import Spawn, python_worker, run_processes, worker_env
 from tests.workers.common import load_result, load_weights, max_weight_difference
 
 RUN_TIMEOUT = 240
-RAY_TIMEOUT = 540
+RAY_TIMEOUT = 900
 GRACE_AFTER_FAILURE = 60
 EQUIVALENCE_TOLERANCE = 1e-5
 SOURCE_LINE = "keras_mwms: cluster of 2 workers from"
