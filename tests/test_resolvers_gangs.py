@@ -147,10 +147,11 @@ def jax_style(backend: str, out: Path) -> list[Spawn]:
 
 def skypilot_style(backend: str, out: Path) -> list[Spawn]:
     """A one-node SkyPilot task whose `run:` section starts one process per GPU (LOCAL_RANK each)."""
+    port_base = str(free_port_run(2))
     return [Spawn(python_worker("two_hosts_fit.py", str(out)),
                   {**worker_env(backend), "SKYPILOT_NODE_IPS": "127.0.0.1\n", "SKYPILOT_NODE_RANK": "0",
                    "SKYPILOT_NUM_NODES": "1", "SKYPILOT_NUM_GPUS_PER_NODE": "2", "LOCAL_RANK": str(rank),
-                   "SKYPILOT_TASK_ID": "sky-test", "KERAS_MWMS_PORT_BASE": str(free_port_run(2))})
+                   "SKYPILOT_TASK_ID": "sky-test", "KERAS_MWMS_PORT_BASE": port_base})
             for rank in (0, 1)]
 
 
