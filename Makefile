@@ -14,11 +14,11 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[tensorflow-cpu,jax,torch,dev]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[tensorflow-cpu,jax,torch,ray,dev]"
 	# The benchmark's tf-keras peer runs on tensorflow-cpu; its declared `tensorflow` would be a
 	# second, 600 MB TensorFlow (and 2 more minutes) over the same module.
 	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt tf-keras
-	$(BIN)/python -c "import keras, tensorflow, jax, torch, tf_keras; print('installed keras', keras.__version__, '| tensorflow', tensorflow.__version__, '| jax', jax.__version__, '| torch', torch.__version__, '| tf-keras', tf_keras.__version__)"
+	$(BIN)/python -c "import keras, tensorflow, jax, torch, tf_keras, ray; print('installed keras', keras.__version__, '| tensorflow', tensorflow.__version__, '| jax', jax.__version__, '| torch', torch.__version__, '| tf-keras', tf_keras.__version__, '| ray', ray.__version__)"
 	touch $(STAMP)
 
 # The suite, the version smoke (`version-smoke`, about 4 min here) and the CI benchmark

@@ -45,16 +45,10 @@ def advice_for(resolver: Any, environ: Mapping[str, str] | None = None) -> Advic
     'Start every worker listed in TF_CONFIG'
     """
     environ = os.environ if environ is None else environ
-    source = (getattr(resolver, "source", None) or "").lower()
     port_advice = getattr(resolver, "port_advice", None)
-    if source.startswith("slurm"):
-        return Advice(port_advice, "Start every task of the Slurm job step (srun)",
-                      "Run the job step again (srun in a retry loop, or sbatch --requeue) " + RESUME)
-    if "mpi" in source or "pmi" in source:
-        return Advice(port_advice, "Start every rank of the MPI job", "Run mpirun again " + RESUME)
-    if source.startswith(("torchrun", "torch-style")):
-        return Advice(port_advice, "Start every process of the job (on every node)",
-                      "Restart it (torchrun --max-restarts N restarts its workers) " + RESUME)
+    members = getattr(resolver, "members_advice", None)
+    if members:   # an orchestrator's resolver says how its job is started and restarted
+        return Advice(port_advice, members, f"{resolver.restart_advice} {RESUME}")
     if settings.ATTEMPT.is_set(environ):
         base = settings.LAUNCH_PORT_BASE.read(environ)
         ports = (f"pass another --port-base to keras_mwms.launch (its workers listen on {base} .. "

@@ -191,7 +191,7 @@ _OPTIONS = "CommunicationOptions"
 CLUSTER_SOURCE = register(Setting(
     "KERAS_MWMS_CLUSTER_SOURCE", CHOICE, None,
     "Which source describes the cluster, skipping the check that sources agree (unset: detect).",
-    set_by="launcher (`tf_config`)", choices=("tf_config", "slurm", "torchrun", "mpi", "single"),
+    set_by="launcher (`tf_config`)", choices=("tf_config", "slurm", "torchrun", "mpi", "jax", "skypilot", "single"),
     fix="use one of them, or unset it to detect the source.", error=ClusterEnvironmentError))
 RENDEZVOUS_TIMEOUT = register(Setting(
     "KERAS_MWMS_RENDEZVOUS_TIMEOUT", SECONDS, 120.0,

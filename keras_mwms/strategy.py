@@ -152,7 +152,7 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
                 "keras_mwms.MultiWorkerMirroredStrategy is running a single worker "
                 + ("(TF_CONFIG lists one worker). " if self._tf_config_at_creation else
                    f"({self._resolver.source} has one worker). " if getattr(self._resolver, "source", None)
-                   else "(TF_CONFIG is not set, nor a Slurm step, torchrun or MPI variables). ")
+                   else "(TF_CONFIG is not set, nor a Slurm step, torchrun, MPI, JAX or SkyPilot variables). ")
                 + "Set TF_CONFIG on every worker, start them with srun, torchrun or mpirun, or "
                 "with `python -m keras_mwms.launch --workers N script.py`, to train on several.",
                 stacklevel=2,

@@ -14,7 +14,9 @@ import pytest
 from keras_mwms.cluster import TFConfigClusterResolver
 from keras_mwms.resolvers import (
     ClusterEnvironmentError,
+    JaxClusterResolver,
     MPIClusterResolver,
+    SkyPilotClusterResolver,
     SlurmClusterResolver,
     TorchrunClusterResolver,
     detect_cluster_resolver,
@@ -29,6 +31,10 @@ TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE
             "TORCHELASTIC_RUN_ID": "none"}
 OPEN_MPI = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
             "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+JAX = {"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1", "JAX_COORDINATOR_ADDRESS": "n1:6666",
+       "KERAS_MWMS_HOSTS": "n1,n2"}
+SKYPILOT = {"SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2\n", "SKYPILOT_NODE_RANK": "1", "SKYPILOT_NUM_NODES": "2",
+            "SKYPILOT_NUM_GPUS_PER_NODE": "0", "SKYPILOT_TASK_ID": "sky-1"}
 TF_CONFIG_3 = json.dumps({"cluster": {"worker": ["a:1", "b:1", "c:1"]}, "task": {"type": "worker", "index": 0}})
 TF_CONFIG_2 = json.dumps({"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 1}})
 
@@ -53,6 +59,14 @@ def torchrun(**changes):
 
 def mpi(**changes):
     return lambda: MPIClusterResolver(environ=_changed(OPEN_MPI, changes))
+
+
+def jax(**changes):
+    return lambda: JaxClusterResolver(environ=_changed(JAX, changes))
+
+
+def skypilot(**changes):
+    return lambda: SkyPilotClusterResolver(environ=_changed(SKYPILOT, changes))
 
 
 def detect(environ):
@@ -109,6 +123,33 @@ MALFORMED = [
                             KERAS_MWMS_HOSTS="n1,n2"), "OMPI_COMM_WORLD_LOCAL_RANK", "0"),
     ("mpi-pmi-size-text", lambda: MPIClusterResolver(environ={"PMI_RANK": "0", "PMI_SIZE": "many"}),
      "PMI_SIZE", "many"),
+    ("jax-num-processes-unset", jax(JAX_NUM_PROCESSES=None), "JAX_NUM_PROCESSES", None),
+    ("jax-num-processes-zero", jax(JAX_NUM_PROCESSES="0"), "JAX_NUM_PROCESSES", "0"),
+    ("jax-process-id-unset", jax(JAX_PROCESS_ID=None), "JAX_PROCESS_ID", None),
+    ("jax-process-id-too-big", jax(JAX_PROCESS_ID="2"), "JAX_PROCESS_ID", "2"),
+    ("jax-process-id-text", jax(JAX_PROCESS_ID="one"), "JAX_PROCESS_ID", "one"),
+    ("jax-coordinator-unset", jax(JAX_COORDINATOR_ADDRESS=None), "JAX_COORDINATOR_ADDRESS", None),
+    ("jax-coordinator-no-port", jax(JAX_COORDINATOR_ADDRESS="n1"), "JAX_COORDINATOR_ADDRESS", "n1"),
+    ("jax-coordinator-port-text", jax(JAX_COORDINATOR_ADDRESS="n1:port"), "JAX_COORDINATOR_ADDRESS", "n1:port"),
+    ("jax-coordinator-port-top", jax(JAX_NUM_PROCESSES="4", KERAS_MWMS_HOSTS="n1",
+                                     JAX_COORDINATOR_ADDRESS="n1:65534"), "JAX_COORDINATOR_ADDRESS", "n1:65534"),
+    ("jax-hosts-uneven", jax(JAX_NUM_PROCESSES="3", KERAS_MWMS_HOSTS="n1,n2"), "KERAS_MWMS_HOSTS", "n1,n2"),
+    ("skypilot-node-ips-unset", skypilot(SKYPILOT_NODE_IPS=None), "SKYPILOT_NODE_IPS", None),
+    ("skypilot-node-ips-blank", skypilot(SKYPILOT_NODE_IPS="\n"), "SKYPILOT_NODE_IPS", "\n"),
+    ("skypilot-node-rank-unset", skypilot(SKYPILOT_NODE_RANK=None), "SKYPILOT_NODE_RANK", None),
+    ("skypilot-node-rank-too-big", skypilot(SKYPILOT_NODE_RANK="2"), "SKYPILOT_NODE_RANK", "2"),
+    ("skypilot-node-rank-text", skypilot(SKYPILOT_NODE_RANK="last"), "SKYPILOT_NODE_RANK", "last"),
+    ("skypilot-num-nodes-disagree", skypilot(SKYPILOT_NUM_NODES="3"), "SKYPILOT_NUM_NODES", "3"),
+    ("skypilot-gpus-text", skypilot(SKYPILOT_NUM_GPUS_PER_NODE="eight"), "SKYPILOT_NUM_GPUS_PER_NODE", "eight"),
+    ("skypilot-local-rank-without-gpus", skypilot(LOCAL_RANK="1"), "SKYPILOT_NUM_GPUS_PER_NODE", "0"),
+    ("skypilot-local-rank-too-big", skypilot(SKYPILOT_NUM_GPUS_PER_NODE="2", LOCAL_RANK="2"), "LOCAL_RANK", "2"),
+    ("skypilot-port-base-text", skypilot(KERAS_MWMS_PORT_BASE="high"), "KERAS_MWMS_PORT_BASE", "high"),
+    ("detect-jax-vs-tf-config", detect({**JAX, "TF_CONFIG": TF_CONFIG_3}), "JAX_NUM_PROCESSES", "2"),
+    ("detect-skypilot-vs-jax", detect({**SKYPILOT, **JAX, "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "0"}),
+     "SKYPILOT_NODE_IPS", "10.0.0.1\n10.0.0.2\n"),
+    ("detect-skypilot-vs-torchrun", detect({**SKYPILOT, **TORCHRUN, "WORLD_SIZE": "4", "RANK": "3",
+                                            "LOCAL_WORLD_SIZE": "2", "SKYPILOT_NUM_GPUS_PER_NODE": "3"}),
+     "SKYPILOT_NODE_IPS", "10.0.0.1\n10.0.0.2\n"),
     ("detect-unknown-source", detect({**SLURM, "KERAS_MWMS_CLUSTER_SOURCE": "kubernetes"}),
      "KERAS_MWMS_CLUSTER_SOURCE", "kubernetes"),
     ("detect-tf-config-vs-slurm", detect({**SLURM, "TF_CONFIG": TF_CONFIG_3}), "SLURM_STEP_NUM_TASKS", "2"),
@@ -134,7 +175,7 @@ def test_malformed_environment_names_variable_value_and_fix(build, variable, val
 
 def test_malformed_cases_are_many_and_cover_every_resolver():
     assert len(MALFORMED) >= 20
-    assert {case[0].split("-")[0] for case in MALFORMED} == {"slurm", "torchrun", "mpi", "detect"}
+    assert {case[0].split("-")[0] for case in MALFORMED} == {"slurm", "torchrun", "mpi", "jax", "skypilot", "detect"}
 
 
 def test_conflict_message_names_both_sources_and_the_way_out():
@@ -189,6 +230,61 @@ def test_mpi_hosts_from_environment_and_job_port_offset():
     assert resolver.worker_addresses == ["gpu07:8968", "gpu07:8969", "gpu08:8968", "gpu08:8969"]
 
 
+def test_jax_variables_with_hosts_place_ranks_by_block_and_start_at_the_coordinator():
+    resolver = JaxClusterResolver(environ={**JAX, "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "2",
+                                           "KERAS_MWMS_HOSTS": "node1,node2"})
+    # Process 0 is the coordinator, even where KERAS_MWMS_HOSTS spells its node another way.
+    assert resolver.worker_addresses == ["n1:6666", "node1:6667", "node2:6666", "node2:6667"]
+    assert (resolver.task_id, resolver.local_rank, resolver.is_chief) == (2, 0, False)
+    assert "JAX variables" in describe_source(resolver)
+
+
+def test_jax_variables_alone_exchange_hosts_at_the_coordinator():
+    """No KERAS_MWMS_HOSTS: every process reports its host to process 0 (threads stand for pods)."""
+    import socket
+    import threading
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    found = {}
+
+    def resolve(rank):
+        found[rank] = JaxClusterResolver(timeout=30, environ={
+            "JAX_NUM_PROCESSES": "3", "JAX_PROCESS_ID": str(rank), "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}"})
+
+    threads = [threading.Thread(target=resolve, args=(rank,)) for rank in (2, 0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    expected = [f"127.0.0.1:{port + local}" for local in range(3)]
+    assert [found[rank].worker_addresses for rank in range(3)] == [expected] * 3
+    assert [found[rank].local_rank for rank in range(3)] == [0, 1, 2]
+
+
+def test_jax_variables_exchange_names_the_missing_rank_0():
+    from keras_mwms.rendezvous import RendezvousError
+
+    with pytest.raises(RendezvousError, match="rank 0 never answered at 127.0.0.1:9 .*JAX_COORDINATOR_ADDRESS"):
+        JaxClusterResolver(timeout=0.5, environ={"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1",
+                                                 "JAX_COORDINATOR_ADDRESS": "127.0.0.1:9"})
+
+
+@pytest.mark.parametrize("changes, addresses, rank", [
+    ({}, ["10.0.0.1:7000", "10.0.0.2:7000"], 1),
+    ({"SKYPILOT_NUM_GPUS_PER_NODE": "2", "LOCAL_RANK": "1"},
+     ["10.0.0.1:7000", "10.0.0.1:7001", "10.0.0.2:7000", "10.0.0.2:7001"], 3),
+    ({"SKYPILOT_NUM_GPUS_PER_NODE": "2", "KERAS_MWMS_LOCAL_RANK": "0"},
+     ["10.0.0.1:7000", "10.0.0.1:7001", "10.0.0.2:7000", "10.0.0.2:7001"], 2),
+    ({"SKYPILOT_NUM_GPUS_PER_NODE": "8"}, ["10.0.0.1:7000", "10.0.0.2:7000"], 1),
+], ids=["per-node", "per-gpu-local-rank", "per-gpu-launcher-rank", "per-node-with-gpus"])
+def test_skypilot_one_worker_per_node_or_per_gpu(changes, addresses, rank):
+    resolver = SkyPilotClusterResolver(environ={**SKYPILOT, **changes, "KERAS_MWMS_PORT_BASE": "7000"})
+    assert (resolver.worker_addresses, resolver.task_id) == (addresses, rank)
+    assert "SkyPilot task" in describe_source(resolver)
+
+
 @pytest.mark.parametrize("environ, expected", [
     ({}, "TFConfigClusterResolver"),
     ({"TF_CONFIG": TF_CONFIG_3}, "TFConfigClusterResolver"),
@@ -201,8 +297,18 @@ def test_mpi_hosts_from_environment_and_job_port_offset():
     (_changed(SLURM, {"SLURM_STEP_NUM_TASKS": None, "SLURM_NTASKS": "2"}), "TFConfigClusterResolver"),
     ({**SLURM, **TORCHRUN, "WORLD_SIZE": "4", "RANK": "1", "LOCAL_WORLD_SIZE": "4",
       "KERAS_MWMS_CLUSTER_SOURCE": "torchrun"}, "TorchrunClusterResolver"),
+    (JAX, "JaxClusterResolver"),
+    (SKYPILOT, "SkyPilotClusterResolver"),
+    ({**OPEN_MPI, **_changed(JAX, {"KERAS_MWMS_HOSTS": None})}, "MPIClusterResolver"),
+    ({**JAX, **SKYPILOT}, "JaxClusterResolver"),
+    ({**SKYPILOT, **TORCHRUN, "WORLD_SIZE": "4", "RANK": "3", "LOCAL_WORLD_SIZE": "2",
+      "SKYPILOT_NUM_GPUS_PER_NODE": "2", "KERAS_MWMS_HOSTS": "n1,n2"}, "TorchrunClusterResolver"),
+    ({**SKYPILOT, **JAX, "JAX_NUM_PROCESSES": "4", "KERAS_MWMS_CLUSTER_SOURCE": "skypilot"},
+     "SkyPilotClusterResolver"),
 ], ids=["nothing", "tf-config", "slurm", "torchrun", "mpi", "tf-config-agrees-with-slurm",
-        "slurm-before-torchrun", "torchrun-before-mpi", "batch-script-is-no-step", "forced-source"])
+        "slurm-before-torchrun", "torchrun-before-mpi", "batch-script-is-no-step", "forced-source",
+        "jax", "skypilot", "mpi-before-jax", "jax-before-skypilot", "torchrun-per-gpu-inside-skypilot",
+        "forced-skypilot"])
 def test_detection_order(environ, expected):
     assert type(detect_cluster_resolver(environ)).__name__ == expected
 

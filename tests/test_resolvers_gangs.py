@@ -3,17 +3,24 @@
 Every backend under every style, on localhost:
 
 * `srun`: the `SLURM_*` variables `srun --ntasks 2` exports on one node (no Slurm here);
-* `torchrun --nproc-per-node 2` (torch ships it), whatever the Keras backend: the strategy finds
-  `RANK`/`WORLD_SIZE`/`MASTER_PORT` by itself and listens on `MASTER_PORT + 1 + LOCAL_RANK`,
-  next to torchrun's own store on `MASTER_PORT`;
+* `torchrun` (torch ships it) configured only by Kubeflow Trainer's `PET_*` variables, whatever the
+  Keras backend: the strategy finds `RANK`/`WORLD_SIZE`/`MASTER_PORT` by itself and listens on
+  `MASTER_PORT + 1 + LOCAL_RANK`, next to torchrun's own store on `MASTER_PORT`;
 * `mpirun`: the `OMPI_COMM_WORLD_*` variables Open MPI exports (no MPI is installed here; JAX's
-  own Open MPI detection must not get in the way).
+  own Open MPI detection must not get in the way);
+* Kubeflow Trainer's JAX runtime: only `JAX_NUM_PROCESSES`/`JAX_PROCESS_ID`/`JAX_COORDINATOR_ADDRESS`
+  (hosts exchanged at the coordinator);
+* SkyPilot: a one-node task starting one process per "GPU" (`LOCAL_RANK`), `SKYPILOT_*` set.
+
+With `ray[train]` installed (the `ray` extra), one local Ray cluster also runs the same fit under
+TensorflowTrainer, TorchTrainer and JaxTrainer (`tests/workers/ray_fit.py`), Ray restarting the
+group once and BackupAndRestore resuming it; without Ray those cases skip, saying so.
 
 tests/test_two_hosts.py adds the Slurm style across two network namespaces. Each gang runs
 `tests/workers/two_hosts_fit.py` (2 epochs of SGD on fixed data); the workers must end
 bit-identical and within 1e-5 of one process (one reference per backend, shared), report the
 resolver the strategy picked with no TF_CONFIG set, and the chief alone must log the source
-once. A gang takes 11-15 s here, so the 9 runs plus 3 references cost about 2.5 minutes.
+once. A gang takes 11-15 s here, so the 15 runs plus 3 references cost about 4 minutes.
 A last test starts two PyTorchJob-style "pods" (one process each, no LOCAL_WORLD_SIZE) that
 exchange their hosts through the store rank 0 opens on MASTER_PORT.
 """
@@ -35,6 +42,7 @@ from tests.multiworker import Spawn, python_worker, run_processes, worker_env
 from tests.workers.common import load_result, load_weights, max_weight_difference
 
 RUN_TIMEOUT = 240
+RAY_TIMEOUT = 900
 GRACE_AFTER_FAILURE = 60
 EQUIVALENCE_TOLERANCE = 1e-5
 SOURCE_LINE = "keras_mwms: cluster of 2 workers from"
@@ -108,11 +116,14 @@ def srun_style(backend: str, out: Path) -> list[Spawn]:
 
 
 def torchrun_style(backend: str, out: Path) -> list[Spawn]:
-    """`torchrun --nproc-per-node 2 train.py`: one agent process whose store holds MASTER_PORT."""
+    """Kubeflow Trainer's torch runtime: `torchrun train.py` configured only by `PET_*` variables
+    (torchrun reads `PET_<FLAG>` for every flag, e.g. `--nproc-per-node`), one agent process whose
+    store holds MASTER_PORT."""
     pytest.importorskip("torch.distributed.run", reason="torchrun ships with torch")
-    return [Spawn([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                   "--master-addr", "127.0.0.1", "--master-port", str(free_port_run(3)),
-                   *python_worker("two_hosts_fit.py", str(out))[2:]], worker_env(backend))]
+    return [Spawn([sys.executable, "-m", "torch.distributed.run",
+                   *python_worker("two_hosts_fit.py", str(out))[2:]],
+                  {**worker_env(backend), "PET_NNODES": "1", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "0",
+                   "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(free_port_run(3))})]
 
 
 def mpirun_style(backend: str, out: Path) -> list[Spawn]:
@@ -125,9 +136,30 @@ def mpirun_style(backend: str, out: Path) -> list[Spawn]:
             for rank in (0, 1)]
 
 
+def jax_style(backend: str, out: Path) -> list[Spawn]:
+    """Kubeflow Trainer's JAX runtime: only JAX_NUM_PROCESSES, JAX_PROCESS_ID, JAX_COORDINATOR_ADDRESS."""
+    coordinator = f"127.0.0.1:{free_port_run(2)}"
+    return [Spawn(python_worker("two_hosts_fit.py", str(out)),
+                  {**worker_env(backend), "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(rank),
+                   "JAX_COORDINATOR_ADDRESS": coordinator})
+            for rank in (0, 1)]
+
+
+def skypilot_style(backend: str, out: Path) -> list[Spawn]:
+    """A one-node SkyPilot task whose `run:` section starts one process per GPU (LOCAL_RANK each)."""
+    port_base = str(free_port_run(2))
+    return [Spawn(python_worker("two_hosts_fit.py", str(out)),
+                  {**worker_env(backend), "SKYPILOT_NODE_IPS": "127.0.0.1\n", "SKYPILOT_NODE_RANK": "0",
+                   "SKYPILOT_NUM_NODES": "1", "SKYPILOT_NUM_GPUS_PER_NODE": "2", "LOCAL_RANK": str(rank),
+                   "SKYPILOT_TASK_ID": "sky-test", "KERAS_MWMS_PORT_BASE": port_base})
+            for rank in (0, 1)]
+
+
 STYLES = {"srun": (srun_style, "SlurmClusterResolver", "Slurm job step"),
-          "torchrun": (torchrun_style, "TorchrunClusterResolver", "torchrun"),
-          "mpirun": (mpirun_style, "MPIClusterResolver", "Open MPI")}
+          "torchrun-pet": (torchrun_style, "TorchrunClusterResolver", "torchrun"),
+          "mpirun": (mpirun_style, "MPIClusterResolver", "Open MPI"),
+          "jax-variables": (jax_style, "JaxClusterResolver", "JAX variables"),
+          "skypilot": (skypilot_style, "SkyPilotClusterResolver", "SkyPilot task")}
 
 
 @pytest.mark.parametrize("style", list(STYLES))
@@ -173,3 +205,45 @@ def test_pytorchjob_pods_exchange_their_hosts_through_the_masters_store(tmp_path
     expected = [f"{socket.gethostname()}:{master_port + 1}"] * 2
     for output in ran.outputs:
         assert f"ADDRESSES {json.dumps(expected)}" in output, output[-2000:]
+
+
+@pytest.fixture(scope="module")
+def ray_runs(tmp_path_factory):
+    """One local Ray cluster (2 CPUs) running a 2-worker trainer per backend: `tests/workers/ray_fit.py`."""
+    pytest.importorskip("ray.train", reason="Ray Train is an optional extra: pip install 'keras-mwms[ray]'")
+    out = tmp_path_factory.mktemp("ray")
+    ran = run_processes([Spawn(python_worker("ray_fit.py", str(out), "tensorflow", "torch", "jax"),
+                               {**worker_env(), "RAY_DEDUP_LOGS": "0"})],
+                        timeout=RAY_TIMEOUT)
+    return out, ran
+
+
+@pytest.mark.parametrize("backend, resolver", [
+    pytest.param("tensorflow", "TFConfigClusterResolver", marks=pytest.mark.tensorflow),
+    pytest.param("torch", "TorchrunClusterResolver", marks=pytest.mark.torch),
+    pytest.param("jax", "RayTrainClusterResolver", marks=pytest.mark.jax),
+])
+def test_ray_train_gang_trains_like_one_process(backend, resolver, ray_runs, references):
+    """TensorflowTrainer (Ray's TF_CONFIG), TorchTrainer (Ray's process group, joined and left to
+    Ray) and JaxTrainer (RayTrainClusterResolver): 2 workers == one process, after Ray restarted
+    the group once (TF, torch) and BackupAndRestore resumed; the chief's metrics reach Ray."""
+    out, ran = ray_runs
+    assert ran.codes == [0], ran.log(tail=12000)
+    gang = out / backend
+    reported = json.loads((gang / "ray.json").read_text())
+    assert reported["error"] is None and reported["checkpoint"], reported
+    first = load_weights(gang, 0)
+    assert max_weight_difference(load_weights(gang, 1), first) == 0.0
+    delta = max_weight_difference(first, load_weights(references(backend), 0))
+    print(f"\n[ray] {backend}: trainer.fit() in {reported['seconds']:.1f} s, max|dw| vs one process = {delta:.3g}")
+    assert delta <= EQUIVALENCE_TOLERANCE
+    chief = load_result(gang, 0)
+    assert (chief["resolver"], chief["num_workers"]) == (resolver, 2)
+    assert reported["metrics"]["loss"] == pytest.approx(chief["history"]["loss"][-1], rel=1e-6)
+    assert reported["metrics"]["epoch"] == 1
+    if backend != "jax":   # resumed: the failed attempt left its marker, the last run only epoch 2
+        assert (gang / "failed-once").exists() and len(chief["history"]["loss"]) == 1
+    if backend == "torch":
+        for index in (0, 1):
+            assert load_result(gang, index)["group_before"] is True
+            assert json.loads((gang / f"closed{index}.json").read_text())["group_after_close"] is True

@@ -1,12 +1,15 @@
 """Which orchestrator started this process: the resolver the strategy uses when given none.
 
-Order: `TF_CONFIG`, else a Slurm job step (`SLURM_STEP_NUM_TASKS`, set by `srun`), else a
-torch-style launcher (`WORLD_SIZE` with `MASTER_ADDR`: torchrun, PyTorchJob, Lightning), else MPI
-(`OMPI_COMM_WORLD_RANK`, `PMI_RANK`, `PMIX_RANK`), else a single worker (`TFConfigClusterResolver`
-without `TF_CONFIG`, which warns). When several are present they must agree on the worker count:
-a `TF_CONFIG` for 4 workers inside a 2-task Slurm step is an error, not a guess.
-`KERAS_MWMS_CLUSTER_SOURCE=tf_config|slurm|torchrun|mpi|single` picks one and skips the check
-(e.g. torchrun started by `srun`, one task per node, each running several workers).
+Order: `TF_CONFIG` (Ray's TensorflowTrainer writes one), else a Slurm job step
+(`SLURM_STEP_NUM_TASKS`, set by `srun`), else a torch-style launcher (`WORLD_SIZE` with
+`MASTER_ADDR`: torchrun, Kubeflow's torch runtime, PyTorchJob, Lightning, Ray's TorchTrainer), else
+MPI (`OMPI_COMM_WORLD_RANK`, `PMI_RANK`, `PMIX_RANK`), else JAX's variables (`JAX_NUM_PROCESSES`:
+Kubeflow's JAX runtime), else a SkyPilot task (`SKYPILOT_NODE_RANK`), else a single worker
+(`TFConfigClusterResolver` without `TF_CONFIG`, which warns). When several are present they must
+agree on the worker count: a `TF_CONFIG` for 4 workers inside a 2-task Slurm step is an error, not
+a guess. `KERAS_MWMS_CLUSTER_SOURCE=tf_config|slurm|torchrun|mpi|jax|skypilot|single` picks one
+and skips the check (e.g. torchrun started by `srun`, one task per node, each running several
+workers).
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from collections.abc import Callable, Mapping
 from keras_mwms import settings
 from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver, TFConfigClusterResolver
 from keras_mwms.resolvers.environment import environment_error, read_int
+from keras_mwms.resolvers.jax_processes import JaxClusterResolver
 from keras_mwms.resolvers.mpi import MPIClusterResolver, mpi_flavour
+from keras_mwms.resolvers.skypilot import SkyPilotClusterResolver, node_ips, workers_per_node
 from keras_mwms.resolvers.slurm import SlurmClusterResolver
 from keras_mwms.resolvers.torchrun import TorchrunClusterResolver
 
@@ -46,6 +51,12 @@ def _sizes(environ: Mapping[str, str]) -> dict[str, tuple[str, Callable[[], int]
     if flavour is not None:
         present["mpi"] = (flavour[1], lambda: read_int(
             environ, flavour[1], "It is the MPI job's rank count.", minimum=1, required=True))
+    if environ.get("JAX_NUM_PROCESSES", "").strip():
+        present["jax"] = ("JAX_NUM_PROCESSES", lambda: read_int(
+            environ, "JAX_NUM_PROCESSES", "It is the job's process count.", minimum=1))
+    if environ.get("SKYPILOT_NODE_RANK", "").strip():
+        present["skypilot"] = ("SKYPILOT_NODE_IPS",
+                               lambda: len(node_ips(environ)) * workers_per_node(environ))
     return present
 
 
@@ -58,6 +69,10 @@ def _build(source: str, environ: Mapping[str, str]) -> ClusterResolver:
         return TorchrunClusterResolver(environ=environ)
     if source == "mpi":
         return MPIClusterResolver(environ=environ)
+    if source == "jax":
+        return JaxClusterResolver(environ=environ)
+    if source == "skypilot":
+        return SkyPilotClusterResolver(environ=environ)
     return TFConfigClusterResolver(tf_config="")
 
 
@@ -112,11 +127,11 @@ def describe_source(resolver: ClusterResolver) -> str:
     Example:
 
     >>> describe_source(TFConfigClusterResolver(tf_config=""))
-    'single worker (no TF_CONFIG, Slurm step, torchrun or MPI variables)'
+    'single worker (no TF_CONFIG, Slurm step, torchrun, MPI, JAX or SkyPilot variables)'
     """
     if getattr(resolver, "source", None):
         return resolver.source
     if isinstance(resolver, TFConfigClusterResolver):
         return "TF_CONFIG" if not resolver.is_single_worker else \
-            "single worker (no TF_CONFIG, Slurm step, torchrun or MPI variables)"
+            "single worker (no TF_CONFIG, Slurm step, torchrun, MPI, JAX or SkyPilot variables)"
     return type(resolver).__name__

@@ -79,7 +79,8 @@ class EnvironmentClusterResolver(ClusterResolver):
     """Base of the orchestrator resolvers: a `worker` job in rank order, this task, its local rank.
 
     Subclasses call `_set_workers(addresses, rank, local_rank)` and set `source`, a phrase such
-    as `"Slurm job step 42.0"` that the strategy logs on the chief.
+    as `"Slurm job step 42.0"` that the strategy logs on the chief, and may reword
+    `members_advice`, `restart_advice` and `port_advice` for their orchestrator.
 
     Example:
 
@@ -90,6 +91,9 @@ class EnvironmentClusterResolver(ClusterResolver):
     """
 
     source: str = "environment"
+    # The start-up and lost-worker errors' advice (`keras_mwms.advice`), in the orchestrator's words.
+    members_advice: str = "Start every process of the job (on every node)"
+    restart_advice: str = "Restart every process of the job"
     port_advice: str = ("set KERAS_MWMS_PORT_BASE, the same on every task, to the start of a free "
                         "port range (another job on this node may use these ports).")
     _local_rank: int = 0

@@ -74,6 +74,9 @@ class MPIClusterResolver(EnvironmentClusterResolver):
         environ: the variables to read instead of `os.environ` (for tests and tools).
     """
 
+    members_advice = "Start every rank of the MPI job"
+    restart_advice = "Run mpirun again"
+
     def __init__(self, hosts: str | Sequence[str] | None = None, port_base: int | None = None,
                  rpc_layer: str | None = None, environ: Mapping[str, str] | None = None):
         environ = os.environ if environ is None else environ

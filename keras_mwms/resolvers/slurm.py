@@ -99,6 +99,9 @@ class SlurmClusterResolver(EnvironmentClusterResolver):
         environ: the variables to read instead of `os.environ` (for tests and tools).
     """
 
+    members_advice = "Start every task of the Slurm job step (srun)"
+    restart_advice = "Run the job step again (srun in a retry loop, or sbatch --requeue)"
+
     def __init__(self, jobs: Mapping[str, int] | None = None, port_base: int | None = None,
                  gpus_per_node: int | None = None, gpus_per_task: int | None = None,
                  tasks_per_node: int | Mapping[str, int] | None = None, auto_set_gpu: bool = True,

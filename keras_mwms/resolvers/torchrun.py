@@ -11,7 +11,8 @@ so the chief's address, where the rendezvous and the backend's coordinator meet,
 is on `MASTER_ADDR`; across nodes they are `KERAS_MWMS_HOSTS` (one name per node, in node-rank
 order) when set, else each worker publishes the address it reaches `MASTER_ADDR` from through
 torch's `TCPStore` on `MASTER_PORT` (torchrun's agent store, or one rank 0 opens for a
-PyTorchJob), bounded by the rendezvous timeout.
+PyTorchJob, or the store of the process group Ray's TorchTrainer already started), bounded by the
+rendezvous timeout.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class TorchrunClusterResolver(EnvironmentClusterResolver):
         timeout: seconds to wait for the other workers' hosts when they are exchanged.
         environ: the variables to read instead of `os.environ` (for tests and tools).
     """
+
+    restart_advice = "Restart it (torchrun --max-restarts N restarts its workers)"
 
     def __init__(self, hosts: Sequence[str] | None = None, rpc_layer: str | None = None,
                  timeout: float | None = None, environ: Mapping[str, str] | None = None):
@@ -144,8 +147,14 @@ def _exchange_hosts(master_host: str, master_port: int, rank: int, world_size: i
 
     import torch.distributed as dist
 
-    store = dist.TCPStore(master_host, master_port, world_size, is_master=rank == 0 and not agent_store,
-                          timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    joined = dist.is_available() and dist.is_initialized()
+    if joined:
+        # Ray's TorchTrainer (or the script) started the process group, whose store holds
+        # MASTER_PORT: exchange through that store, which outlives this call.
+        store = dist.distributed_c10d._get_default_store()
+    else:
+        store = dist.TCPStore(master_host, master_port, world_size, is_master=rank == 0 and not agent_store,
+                              timeout=timedelta(seconds=timeout), wait_for_workers=False)
     local_size = world_size // nodes
     prefix = "keras_mwms/hosts/"
     if rank % local_size == 0:
@@ -159,7 +168,7 @@ def _exchange_hosts(master_host: str, master_port: int, rank: int, world_size: i
     store.wait(keys, timedelta(seconds=timeout))
     found = [store.get(key).decode() for key in keys]
     store.add(f"{prefix}done", 1)
-    if rank == 0 and not agent_store:
+    if rank == 0 and not agent_store and not joined:
         # The store dies with this object: keep it until every rank has read.
         deadline = time.monotonic() + timeout
         while store.add(f"{prefix}done", 0) < world_size and time.monotonic() < deadline:

@@ -114,6 +114,7 @@ class JaxBackend(Backend):
         self.gpu_assignment = devices.gpu_assignment("jax", self.num_workers)
         self._engine = resolve_engine(options.implementation, len(self.gpu_assignment.gpus))
         self._joined = False
+        self._owns_distributed = False   # False: joined the jax.distributed Ray's JaxTrainer started
         self._distribution = None
         self._mesh = None
         self._collective_counter = 0
@@ -146,7 +147,7 @@ class JaxBackend(Backend):
         if self.num_workers == 1 and self.gpu_assignment.narrows:
             jax.config.update("jax_cuda_visible_devices", ",".join(map(str, self.gpu_assignment.gpus)))
         if self.num_workers > 1:
-            initialize_distributed(self)
+            self._owns_distributed = initialize_distributed(self)
             # Registered after jax.distributed's own exit hook, so it runs first (last in, first
             # out) and can leave without JAX's shutdown barrier after a lost peer or a failure.
             atexit.register(self.faults.exit_now_if_lost)
@@ -190,7 +191,7 @@ class JaxBackend(Backend):
             import keras
 
             keras.distribution.set_distribution(None)
-        if self.num_workers > 1 and not self.faults.lost and self.faults.failed is None:
+        if self._owns_distributed and not self.faults.lost and self.faults.failed is None:
             import jax
 
             jax.distributed.shutdown()
@@ -411,11 +412,24 @@ def agree_on_variables(backend: JaxBackend, variables: list, key: str) -> None:
     flat.assign_values(variables, values)
 
 
-def initialize_distributed(backend: Backend) -> None:
-    """`jax.distributed.initialize` on the chief's `TF_CONFIG` address, bounded, before any JAX computation."""
+def initialize_distributed(backend: Backend) -> bool:
+    """`jax.distributed.initialize` on the chief's `TF_CONFIG` address, bounded, before any JAX
+    computation; True when it started it, False when it joined one started before (Ray's
+    `JaxTrainer(use_gpu=True)`), which must be the cluster's."""
     import jax
     from jax._src import xla_bridge
 
+    if jax.distributed.is_initialized():
+        found = (jax.process_count(), jax.process_index())
+        if found != (backend.num_workers, backend.worker_index):
+            source = getattr(backend.resolver, "source", None) or "TF_CONFIG"
+            raise RuntimeError(
+                f"keras_mwms worker {backend.worker_index}: jax.distributed was already initialised in "
+                f"this process with {found[0]} process(es), this one at index {found[1]}, but {source} "
+                f"describes {backend.num_workers} worker(s) with this one at index {backend.worker_index}. "
+                "Let keras_mwms.MultiWorkerMirroredStrategy() start jax.distributed (remove the "
+                "jax.distributed.initialize call), or make its process count and id match the cluster.")
+        return False
     if xla_bridge.backends_are_initialized():
         raise StrategyCreatedTooLateError(
             "JAX already ran a computation in this process (for example jax.devices(), "
@@ -441,6 +455,7 @@ def initialize_distributed(backend: Backend) -> None:
     )
     if gloo:
         bind_gloo_to_tf_config_host(backend.resolver)   # before the first jax.devices()
+    return True
 
 
 def coordinator_bind_address(resolver) -> str | None:

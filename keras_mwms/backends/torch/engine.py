@@ -85,6 +85,17 @@ def resolve_engine(implementation: CommunicationImplementation, gpu_count: int) 
     return "nccl" if chosen is CommunicationImplementation.NCCL else "gloo"
 
 
+def existing_process_group_backend() -> str | None:
+    """The backend (`"gloo"`, `"nccl"`) of a process group started before the strategy, or None.
+
+    Example:
+
+    >>> existing_process_group_backend() is None or dist.is_initialized()
+    True
+    """
+    return str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else None
+
+
 class TorchEngine(Backend):
     """The process group and the collective port of the torch backend (see the module docstring).
 
@@ -102,6 +113,9 @@ class TorchEngine(Backend):
         self.lost_worker_checks = 0     # numbers the liveness windows (`faults.find_lost_workers`)
         self._engine: str | None = None
         self._joined = False
+        # A process group the launcher started before the script (Ray's TorchTrainer) is joined,
+        # not started again, and left for its owner to destroy.
+        self._owns_process_group = False
         self._tcp_store: dist.TCPStore | None = None   # the store of a process group we started
         # Rows of this worker's shard in the current training step (set by the train function)
         # and the weight its loss was multiplied by (set by the optimizer's scale_loss: the
@@ -123,7 +137,8 @@ class TorchEngine(Backend):
 
     def engine_description(self) -> str:
         if self._engine is None:
-            self._engine = resolve_engine(self.options.implementation, len(self.gpu_assignment.gpus))
+            self._engine = existing_process_group_backend() or \
+                resolve_engine(self.options.implementation, len(self.gpu_assignment.gpus))
         return self._engine
 
     @property
@@ -164,6 +179,7 @@ class TorchEngine(Backend):
                     engine, store=store, rank=self.worker_index, world_size=self.num_workers,
                     timeout=datetime.timedelta(seconds=self.timeout_seconds))
                 self._tcp_store = store
+                self._owns_process_group = True
                 atexit.register(self.leave)
             except Exception as error:
                 raise WorkerLostError(
@@ -176,15 +192,17 @@ class TorchEngine(Backend):
         self._joined = True
 
     def _check_existing_process_group(self) -> None:
-        """Reuses a process group the script started itself, if it is the one TF_CONFIG describes."""
+        """Joins a process group started before the strategy (by Ray's TorchTrainer, a launcher
+        or the script), if it is the one the cluster describes; its owner destroys it."""
         size, rank = dist.get_world_size(), dist.get_rank()
         if (size, rank) != (self.num_workers, self.worker_index):
+            source = getattr(self.resolver, "source", None) or "TF_CONFIG"
             raise RuntimeError(
                 f"keras_mwms worker {self.worker_index}: torch.distributed was already initialised "
-                f"in this process with world_size={size}, rank={rank}, but TF_CONFIG describes "
-                f"{self.num_workers} worker(s) with this one at index {self.worker_index}. Let "
-                "keras_mwms.MultiWorkerMirroredStrategy() start the process group (remove your "
-                "init_process_group call), or make its world size and rank match TF_CONFIG."
+                f"in this process with world_size={size}, rank={rank}, but {source} "
+                f"describes {self.num_workers} worker(s) with this one at index {self.worker_index}. "
+                "Let keras_mwms.MultiWorkerMirroredStrategy() start the process group (remove the "
+                "init_process_group call), or make its world size and rank match the cluster."
             )
 
     def _store(self, host: str, port: int) -> dist.TCPStore:
@@ -221,6 +239,9 @@ class TorchEngine(Backend):
         store, self._tcp_store = self._tcp_store, None
         if not self._joined:
             return
+        if not self._owns_process_group:
+            self._joined = False
+            return
         if store is None or not dist.is_initialized():
             self.destroy_process_group()
             return
@@ -238,8 +259,8 @@ class TorchEngine(Backend):
             self.abandon()
 
     def destroy_process_group(self) -> None:
-        """Destroys this process's process group now, without waiting for anyone."""
-        if dist.is_initialized():
+        """Destroys the process group keras_mwms started, now, without waiting for anyone."""
+        if self._owns_process_group and dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
         self._joined = False
