@@ -3,7 +3,7 @@
 Keras 3.15.1's TensorFlow trainer crashes under a multi-worker `tf.distribute` strategy (two
 crashes, repaired by `_maybe_symbolic_build` and `_make_reduce_per_replica` below), weighs rows
 unlike one process and clips partial gradients (`gradients.RowWeighting`), and needs the
-equivalence wrappers around `fit` / `evaluate` / `predict` (`trainer.trainer_method`). Each is
+equivalence wrappers around `fit` / `evaluate` / `predict` (`keras_mwms.backends.fit_call`, `trainer.TensorFlowFitHooks`). Each is
 a `Patch` row of `patch_table(backend)`: the strategy installs the table after the backend
 joined, and `MultiWorkerMirroredStrategy.close()` restores every original.
 
@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from keras_mwms import active
-from keras_mwms.backends import policy
+from keras_mwms.backends import fit_call, policy
 from keras_mwms.backends.patches import ANY_KERAS, Patch, PatchTable
 from keras_mwms.backends.tensorflow import batch_norm, data, trainer
 from keras_mwms.diagnostics.ledger import counted_in_graph
@@ -155,6 +155,8 @@ def _shared_per_worker_statistics(original: Callable) -> Callable:
 
 
 # -- the table ----------------------------------------------------------------------------
+_HOOKS = trainer.TensorFlowFitHooks()
+
 
 def patch_table(backend: Any) -> PatchTable:
     """The TensorFlow backend's patch rows for `backend` (a joined `TensorFlowBackend`)."""
@@ -174,17 +176,17 @@ def patch_table(backend: Any) -> PatchTable:
               parameters=("values", "strategy", "reduction")),
     ]
     rows += [Patch(name=f"tf-{method}-wrapper", target=f"{_TRAINER}:TensorFlowTrainer.{method}",
-                   replacement=trainer.trainer_method(method, backend),
+                   replacement=fit_call.replacement(method, _HOOKS),
                    works_around="Keras runs each worker's loop as if it were alone: progress bars, "
                                 "shuffle order, uneven inputs, AutoShardPolicy.OFF lengths, XLA "
                                 "on CPU, chief-only predict and lost peers need the whole job",
-                   parameters=("x", "verbose"))
+                   parameters=fit_call.PARAMETERS[method])
              for method in ("fit", "evaluate", "predict")]
     rows.append(Patch(name="tf-predict-on-batch-wrapper", target=f"{_TRAINER}:TensorFlowTrainer.predict_on_batch",
-                      replacement=trainer.trainer_method("predict_on_batch", backend),
+                      replacement=fit_call.replacement("predict_on_batch", _HOOKS),
                       works_around="Keras runs predict_on_batch's whole batch on every replica and "
                                    "concatenates the copies: N × the rows on N workers",
-                      parameters=("x",)))
+                      parameters=fit_call.PARAMETERS["predict_on_batch"]))
     rows += [
         Patch(name="tf-row-weighted-steps", target=backend.strategy, attribute="run",
               replacement=weighting.run,
