@@ -326,22 +326,15 @@ def prepare_fit(port: Any, model: Any, arguments: dict) -> None:
 def _array_stream(seed: int, arguments: dict, x, y, sample_weight):
     from keras import tree
 
+    # validation_split and class weights are applied by now (`keras_mwms.backends.fit_call`).
     x, y, sample_weight = tree.map_structure(_to_numpy, (x, y, sample_weight))
-    class_weight = arguments.get("class_weight")
-    if class_weight is not None:
-        sample_weight = internals.class_weight_to_sample_weights(y, class_weight)
-    validation_split = arguments.get("validation_split") or 0.0
-    if validation_split and arguments.get("validation_data") is None:
-        (x, y, sample_weight), arguments["validation_data"] = internals.train_validation_split(
-            (x, y, sample_weight), validation_split)
     batch_size = arguments.get("batch_size") or 32
     if arguments.get("validation_data") is not None and arguments.get("validation_batch_size") is None:
         arguments["validation_batch_size"] = batch_size
     arrays = (x, y, sample_weight)
     rows = int(tree.flatten(x)[0].shape[0])
     order = DataOrder(seed, rows, batch_size)
-    arguments.update(y=None, sample_weight=None, class_weight=None, batch_size=None,
-                     validation_split=0.0)
+    arguments.update(y=None, sample_weight=None, batch_size=None)
     return make_stream(order, lambda units: _take_rows(arrays, units), batch_size)
 
 

@@ -74,3 +74,5 @@ def test_fit_of_a_model_created_outside_the_scope_stops_every_worker_with_the_fi
         assert "different weights on each" in message, described
         assert "Build and compile the model inside `with strategy.scope():`" in message, described
         assert result["seconds"] < 5, described           # at fit's entry: no collective, no timeout
+        if mode == "outside" and worker == 0:   # evaluate and predict ran on the chief alone, warned
+            assert len(result["alone"]) == 2, described

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from keras_mwms.backends import fit_call
 from keras_mwms.backends.keras_api import internals
 
 
@@ -260,7 +261,7 @@ def make_source(x: Any, y: Any, sample_weight: Any, batch_size: int | None, step
     """The `GlobalBatchSource` for whatever the user passed to fit/evaluate/predict: Keras' own
     adapter, so batches, packing and shuffled order are plain Keras' (see `shuffles_globally`)."""
     adapter = internals.get_data_adapter(x, y, sample_weight, batch_size, steps, shuffle, class_weight)
-    return AdapterSource(adapter, local_parts=shard_policy_is_off(x))
+    return AdapterSource(adapter, local_parts=fit_call.shard_policy_is_off(x))
 
 
 def shuffles_globally(x: Any, y: Any = None, sample_weight: Any = None) -> bool:
@@ -276,17 +277,6 @@ def shuffles_globally(x: Any, y: Any = None, sample_weight: Any = None) -> bool:
     from keras.utils import PyDataset
 
     return isinstance(x, PyDataset) or internals.can_convert_arrays((x, y, sample_weight))
-
-
-def shard_policy_is_off(x: Any) -> bool:
-    """True for a tf.data dataset with `AutoShardPolicy.OFF`: each worker feeds its own part."""
-    import sys
-
-    tf = sys.modules.get("tensorflow")
-    if tf is None or not isinstance(x, tf.data.Dataset):
-        return False
-    policy = x.options().experimental_distribute.auto_shard_policy
-    return policy == tf.data.experimental.AutoShardPolicy.OFF
 
 
 def split_local_replicas(batch: Any, replicas_per_worker: int) -> list[Any]:
@@ -332,15 +322,14 @@ def adapter_for(backend: Any, path: str, x: Any, y: Any = None, sample_weight: A
     """The Keras `DataAdapter` feeding `path` ("flat", "dataparallel", "single" or `EVERY_ROW`).
 
     A `DataAdapter` passes through (fit's validation reuses its own); a `DistributedDataset`
-    feeds this worker's parts; anything else goes through Keras' own adapter first.
+    feeds this worker's parts; anything else goes through Keras' own adapter first (a shuffled
+    one after `align_shuffle_state`, at the call's entry).
     """
     if internals.is_data_adapter(x):
         return x
     if isinstance(x, DistributedDataset):
         source: GlobalBatchSource = LocalPartSource(x)
     else:
-        if shuffle and shuffles_globally(x, y, sample_weight):
-            align_shuffle_state(backend)
         source = make_source(x, y, sample_weight, batch_size, steps, shuffle, class_weight)
     return make_global_batch_adapter(source, placer_for(backend, path, source.batch_size))
 

@@ -26,13 +26,14 @@ Example (an error that reads like a lost peer, and one that does not):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from keras_mwms.diagnostics import LEDGER
@@ -114,19 +115,20 @@ class LostWorkerForensics:
         self.lost = True
         self.backend.worker_lost(where, error, dead)
 
-    def running_user_code(self, where: str, call: Callable[[], Any]) -> Any:
-        """`fit`/`evaluate`/`predict`: a lost peer becomes `WorkerLostError`; any other exception
-        marks this worker as failed, so its interpreter exit skips JAX's shutdown barrier and
-        the peers learn at once which worker is gone. A later call that returns cleanly (the
-        caller handled the error) clears the mark."""
+    @contextlib.contextmanager
+    def running_user_code(self, where: str) -> Iterator[None]:
+        """Context of a `fit`/`evaluate`/`predict`: a lost peer becomes `WorkerLostError`; any
+        other exception marks this worker as failed, so its interpreter exit skips JAX's
+        shutdown barrier and the peers learn at once which worker is gone. A later call that
+        ends cleanly (the caller handled the error) clears the mark."""
         try:
-            result = self._checked(where, call)
-        except Exception as error:
+            yield
+        except Exception as error:  # noqa: BLE001 - jaxlib's runtime errors have no stable public type
+            self.check(error, where)
             if self.backend.num_workers > 1 and not isinstance(error, WorkerLostError):
                 self.failed = f"{type(error).__name__} in {where}"
             raise
         self.failed = None
-        return result
 
     def dead_peers(self) -> list[int]:
         """Ranks of the peers found dead: local ones by process id, remote ones by the live list."""

@@ -53,12 +53,11 @@ import warnings
 
 import numpy as np
 
-from keras_mwms import active, resumable_inputs
-from keras_mwms.backends import model_scope, policy
+from keras_mwms import active
+from keras_mwms.backends import fit_call, policy
 from keras_mwms.backends.jax import data, flat
 from keras_mwms.backends.keras_api import attributes, internals, targets
 from keras_mwms.backends.patches import Patch, PatchTable
-from keras_mwms.data import first_batch_digest
 from keras_mwms.diagnostics.ledger import counted_in_graph
 
 
@@ -125,78 +124,66 @@ def _arrays_pass_through(original):
     return distribute_data
 
 
-def _quiet_unless_chief(backend, verbose):
-    return verbose if backend.is_chief else 0
+class JaxFitHooks(fit_call.FitHooks):
+    """JAX's part of a `fit`/`evaluate`/`predict` call: Keras' own adapter, placed by path.
 
+    The policy (binding, scope, TF_CONFIG, row checks, validation_split, class weights of
+    arrays, `prepare_fit`, chief-only progress) is `keras_mwms.backends.fit_call`'s.
+    """
 
-def _with_named_arguments(body):
-    """A replacement factory: the wrapper forwards `*args, **kwargs` to the original when no
-    strategy is active, else binds them to the original's signature and calls
-    `body(model, backend, values, call)` — `values` the named arguments (defaults filled in,
-    editable) and `call()` the original with them."""
-    def replacement(original):
-        signature = inspect.signature(original)
+    def alone(self, call):
+        if call.backend.num_workers == 1:
+            return call.keras()
+        with _without_distribution():
+            return call.keras()
 
-        @functools.wraps(original)
-        def wrapper(self, *args, **kwargs):
-            backend = _backend()
-            if backend is None:
-                return original(self, *args, **kwargs)
-            bound = signature.bind(self, *args, **kwargs)
-            bound.apply_defaults()
-            return body(self, backend, bound.arguments, lambda: original(*bound.args, **bound.kwargs))
+    def align_shuffles(self, call):
+        arguments = call.arguments
+        if arguments["shuffle"] and data.shuffles_globally(arguments["x"], arguments["y"],
+                                                           arguments["sample_weight"]):
+            data.align_shuffle_state(call.backend)
 
-        return wrapper
+    def feed(self, call):
+        backend, model, values = call.backend, call.model, call.arguments
+        if call.method == "predict" and backend.num_workers > 1:
+            values.update(x=data.adapter_for(backend, data.EVERY_ROW, values["x"], None, None,
+                                             values["batch_size"], values["steps"]), batch_size=None)
+            return
+        path = call.state["path"] = backend.model_path(model)
+        if call.method == "predict":
+            values.update(x=data.adapter_for(backend, path, values["x"], None, None, values["batch_size"],
+                                             values["steps"]), batch_size=None)
+            return
+        backend.models.of(model).synced = False   # the state is broadcast at this fit or evaluate
+        if call.method == "evaluate":
+            values.update(x=data.adapter_for(backend, path, values["x"], values["y"], values["sample_weight"],
+                                             values["batch_size"], values["steps"]),
+                          y=None, batch_size=None, sample_weight=None)
+            return
+        train = data.adapter_for(backend, path, values["x"], values["y"], values["sample_weight"],
+                                 values["batch_size"], values["steps_per_epoch"], values["shuffle"],
+                                 values["class_weight"])
+        validation_data = values["validation_data"]
+        if validation_data is not None:
+            val_x, val_y, val_sample_weight = internals.unpack_x_y_sample_weight(validation_data)
+            validation_data = (data.adapter_for(
+                backend, path, val_x, val_y, val_sample_weight,
+                values["validation_batch_size"] or values["batch_size"], values["validation_steps"]),)
+        values.update(x=train, y=None, batch_size=None, validation_data=validation_data, shuffle=False,
+                      class_weight=None, sample_weight=None, validation_batch_size=None)
 
-    return replacement
+    def loop(self, call):
+        return _model_context(call.backend, call.model, call.state["path"])
 
+    def predict(self, call):
+        if call.backend.num_workers > 1:
+            with _without_distribution():
+                return call.keras()
+        with _model_context(call.backend, call.model, call.state["path"]):
+            return call.keras()
 
-@_with_named_arguments
-def _fit_global_batches(model, backend, values, call):
-    model_scope.require_created_in_scope(backend, model, "fit")
-    x, y, sample_weight = values["x"], values["y"], values["sample_weight"]
-    backend.check_tf_config_unchanged(stacklevel=3)
-    digest = None if data.shard_policy_is_off(x) else first_batch_digest(x)
-    policy.check_same_rows(backend, x, "model.fit()", digest=digest, batch_size=values["batch_size"])
-    resumable_inputs.prepare_fit(backend, model, values)
-    x, y, sample_weight = values["x"], values["y"], values["sample_weight"]
-    validation_data = values["validation_data"]
-    if values["validation_split"] and validation_data is None:
-        (x, y, sample_weight), validation_data = internals.train_validation_split(
-            (x, y, sample_weight), values["validation_split"])
-    path = backend.model_path(model)
-    backend.models.of(model).synced = False   # the state is broadcast at this fit
-    train = data.adapter_for(backend, path, x, y, sample_weight, values["batch_size"],
-                             values["steps_per_epoch"], values["shuffle"], values["class_weight"])
-    if validation_data is not None:
-        val_x, val_y, val_sample_weight = internals.unpack_x_y_sample_weight(validation_data)
-        validation_data = (data.adapter_for(
-            backend, path, val_x, val_y, val_sample_weight,
-            values["validation_batch_size"] or values["batch_size"], values["validation_steps"]),)
-    values.update(x=train, y=None, batch_size=None, verbose=_quiet_unless_chief(backend, values["verbose"]),
-                  validation_split=0.0, validation_data=validation_data, shuffle=False,
-                  class_weight=None, sample_weight=None, validation_batch_size=None)
-    def fit_and_check():
-        history = call()
-        backend.check_workers_agree(model, "model.fit()")
-        return history
-
-    with _model_context(backend, model, path):
-        return backend.faults.running_user_code("model.fit", fit_and_check)
-
-
-@_with_named_arguments
-def _evaluate_global_batches(model, backend, values, call):
-    policy.check_same_rows(backend, values["x"], "model.evaluate()")
-    if not values.get("kwargs", {}).get("_use_cached_eval_dataset"):
-        backend.models.of(model).synced = False   # (fit's validation: the state is already agreed)
-    path = backend.model_path(model)
-    values.update(x=data.adapter_for(backend, path, values["x"], values["y"], values["sample_weight"],
-                                     values["batch_size"], values["steps"]),
-                  y=None, batch_size=None, sample_weight=None,
-                  verbose=_quiet_unless_chief(backend, values["verbose"]))
-    with _model_context(backend, model, path):
-        return backend.faults.running_user_code("model.evaluate", call)
+    def guard(self, call):
+        return call.backend.faults.running_user_code(call.where)
 
 
 def _model_context(backend, model, path):
@@ -226,21 +213,6 @@ def _make_variables_global(backend, model) -> None:
 
 
 # -- local predict ------------------------------------------------------------------------
-@_with_named_arguments
-def _predict_local(model, backend, values, call):
-    if backend.num_workers == 1:
-        path = backend.model_path(model)
-        values.update(x=data.adapter_for(backend, path, values["x"], None, None, values["batch_size"],
-                                         values["steps"]), batch_size=None)
-        with _model_context(backend, model, path):
-            return call()
-    values.update(x=data.adapter_for(backend, data.EVERY_ROW, values["x"], None, None,
-                                     values["batch_size"], values["steps"]),
-                  batch_size=None, verbose=_quiet_unless_chief(backend, values["verbose"]))
-    with _without_distribution():
-        return backend.faults.running_user_code("model.predict", call)
-
-
 def _predict_local_function(original):
     def make_predict_function(self, *args, **kwargs):
         """Each worker computes every row it is given on its first local device, from its own
@@ -325,7 +297,7 @@ def _flat_function(attribute: str, build):
 
         def make_function(self, *args, **kwargs):
             backend = _several_workers()
-            if backend is None:
+            if backend is None or not backend.uses(self):
                 return original(self, *args, **kwargs)
             _sync_state(backend, self)
             if not _on_flat_path(backend, self):
@@ -371,7 +343,7 @@ def _global_metrics(original):
     def get_metrics_result_or_logs(self, logs, *args, **kwargs):
         """On the flat path, results come from the all-worker metric state."""
         backend = _several_workers()
-        if backend is None or not _on_flat_path(backend, self):
+        if backend is None or not backend.uses(self) or not _on_flat_path(backend, self):
             return original(self, logs, *args, **kwargs)
         with policy.GlobalMetricState(self, backend):
             metric_logs = self.get_metrics_result()
@@ -395,9 +367,7 @@ def unpatched(method_name: str):
     return method.__wrapped__ if PATCHES.installed and hasattr(method, "__wrapped__") else method
 
 
-_FIT_PARAMETERS = ("x", "y", "batch_size", "verbose", "validation_split", "validation_data", "shuffle",
-                   "class_weight", "sample_weight", "steps_per_epoch", "validation_steps",
-                   "validation_batch_size")
+_HOOKS = JaxFitHooks()
 
 PATCHES = PatchTable("jax", [
     Patch("local-replicated-arrays", targets.JAX_DISTRIBUTE_TENSOR,
@@ -415,14 +385,15 @@ PATCHES = PatchTable("jax", [
     Patch("arrays-pass-through", targets.JAX_DISTRIBUTE_DATA,
           _arrays_pass_through, parameters=("data",),
           works_around="Keras re-distributes batches keras_mwms already placed as global arrays"),
-    Patch("fit-global-batches", targets.TRAINER_FIT, _fit_global_batches, parameters=_FIT_PARAMETERS,
+    Patch("fit-global-batches", targets.TRAINER_FIT, fit_call.replacement("fit", _HOOKS),
+          parameters=fit_call.PARAMETERS["fit"],
           works_around="multi-process fit refuses numpy input, hangs on uneven shards and crashes "
                        "on a partial last batch (auto-sharding needs equal local shapes)"),
-    Patch("evaluate-global-batches", targets.TRAINER_EVALUATE, _evaluate_global_batches,
-          parameters=("x", "y", "batch_size", "verbose", "sample_weight", "steps"),
+    Patch("evaluate-global-batches", targets.TRAINER_EVALUATE, fit_call.replacement("evaluate", _HOOKS),
+          parameters=fit_call.PARAMETERS["evaluate"],
           works_around="the same for evaluate; fit's validation reuses its cached adapter"),
-    Patch("predict-local", targets.TRAINER_PREDICT, _predict_local,
-          parameters=("x", "batch_size", "verbose", "steps"),
+    Patch("predict-local", targets.TRAINER_PREDICT, fit_call.replacement("predict", _HOOKS),
+          parameters=fit_call.PARAMETERS["predict"],
           works_around="predict fails with 'Fetching value for jax.Array that spans "
                        "non-addressable devices' and would enter collectives one worker may skip"),
     Patch("predict-local-function", targets.TRAINER_MAKE_PREDICT_FUNCTION, _predict_local_function,

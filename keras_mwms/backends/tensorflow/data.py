@@ -30,9 +30,8 @@ one with the same shapes and dtypes without touching the data.
 
 Example:
 
->>> import numpy as np
->>> shard_policy_is_off(np.zeros(3))
-False
+>>> unsharded_steps(48, 14, 3, num_replicas=2, replicas_per_worker=1)
+5
 """
 
 from __future__ import annotations
@@ -48,23 +47,6 @@ from keras_mwms.backends.keras_api import attributes, internals
 from keras_mwms.backends.patches import ObjectState
 from keras_mwms.data import replica_slices
 from keras_mwms.diagnostics.ledger import LEDGER
-
-
-def shard_policy_is_off(dataset: Any) -> bool:
-    """Whether `dataset` is a `tf.data.Dataset` whose auto-shard policy is OFF.
-
-    Example:
-
-    >>> shard_policy_is_off([1, 2, 3])
-    False
-    """
-    import sys
-
-    tf = sys.modules.get("tensorflow")
-    if tf is None or not isinstance(dataset, tf.data.Dataset):
-        return False
-    policy = dataset.options().experimental_distribute.auto_shard_policy
-    return policy == tf.data.experimental.AutoShardPolicy.OFF
 
 
 def unsharded_steps(global_batch: int, last_rows: int, cardinality: int, num_replicas: int,

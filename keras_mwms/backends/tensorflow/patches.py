@@ -3,7 +3,7 @@
 Keras 3.15.1's TensorFlow trainer crashes under a multi-worker `tf.distribute` strategy (two
 crashes, repaired by `_maybe_symbolic_build` and `_make_reduce_per_replica` below), weighs rows
 unlike one process and clips partial gradients (`gradients.RowWeighting`), and needs the
-equivalence wrappers around `fit` / `evaluate` / `predict` (`trainer.trainer_method`). Each is
+equivalence wrappers around `fit` / `evaluate` / `predict` (`keras_mwms.backends.fit_call`, `trainer.TensorFlowFitHooks`). Each is
 a `Patch` row of `patch_table(backend)`: the strategy installs the table after the backend
 joined, and `MultiWorkerMirroredStrategy.close()` restores every original.
 
@@ -28,7 +28,7 @@ from typing import Any
 import keras
 
 from keras_mwms import active
-from keras_mwms.backends import policy
+from keras_mwms.backends import fit_call, policy
 from keras_mwms.backends.keras_api import attributes, internals, targets
 from keras_mwms.backends.patches import ANY_KERAS, Patch, PatchTable
 from keras_mwms.backends.tensorflow import batch_norm, data, trainer
@@ -151,6 +151,9 @@ def _shared_per_worker_statistics(original: Callable) -> Callable:
 
 # -- the table ----------------------------------------------------------------------------
 
+_HOOKS = trainer.TensorFlowFitHooks()
+
+
 def _trainer_rows(backend: Any) -> list[Patch]:
     """The rows on the trainer: the crash repairs and the fit/evaluate/predict wrappers."""
     rows = [
@@ -168,18 +171,18 @@ def _trainer_rows(backend: Any) -> list[Patch]:
               parameters=("values", "strategy", "reduction")),
     ]
     rows += [Patch(name=f"tf-{method}-wrapper", target=target,
-                   replacement=trainer.trainer_method(method, backend),
+                   replacement=fit_call.replacement(method, _HOOKS),
                    works_around="Keras runs each worker's loop as if it were alone: progress bars, "
                                 "shuffle order, uneven inputs, AutoShardPolicy.OFF lengths, XLA "
                                 "on CPU, chief-only predict and lost peers need the whole job",
-                   parameters=("x", "verbose"))
+                   parameters=fit_call.PARAMETERS[method])
              for method, target in (("fit", targets.TRAINER_FIT), ("evaluate", targets.TRAINER_EVALUATE),
                                     ("predict", targets.TRAINER_PREDICT))]
     rows.append(Patch(name="tf-predict-on-batch-wrapper", target=targets.TRAINER_PREDICT_ON_BATCH,
-                      replacement=trainer.trainer_method("predict_on_batch", backend),
+                      replacement=fit_call.replacement("predict_on_batch", _HOOKS),
                       works_around="Keras runs predict_on_batch's whole batch on every replica and "
                                    "concatenates the copies: N × the rows on N workers",
-                      parameters=("x",)))
+                      parameters=fit_call.PARAMETERS["predict_on_batch"]))
     return rows
 
 

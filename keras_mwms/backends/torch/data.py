@@ -24,17 +24,14 @@ paired. Before the first step every worker checks that all passed arrays of one 
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from keras_mwms import resumable_inputs
-from keras_mwms.backends import policy
+from keras_mwms.backends import fit_call
 from keras_mwms.backends.keras_api import internals
-from keras_mwms.data import AutoShardPolicy, first_batch_digest, replica_slices, worker_row_indices
+from keras_mwms.data import AutoShardPolicy, replica_slices, worker_row_indices
 
 if TYPE_CHECKING:
     from keras_mwms.backends.torch.engine import TorchEngine
@@ -50,10 +47,6 @@ def _keras_pydataset():
     import keras
 
     return keras.utils.PyDataset
-
-
-def _is_arrays(x, y, sample_weight) -> bool:
-    return x is not None and internals.can_convert_arrays((x, y, sample_weight))
 
 
 def _to_numpy(structure):
@@ -299,28 +292,8 @@ def shard_global_batches(data: Any, backend: TorchEngine, options: Any = None,
     )
 
 
-def bind_arguments(method: Callable, args: tuple, kwargs: dict) -> dict:
-    """`method(self, *args, **kwargs)`'s arguments by name, defaults filled in (without self).
-
-    Example:
-
-    >>> def fit(self, x=None, batch_size=None, **kwargs): ...
-    >>> bind_arguments(fit, (1,), {"verbose": 0})
-    {'x': 1, 'batch_size': None, 'verbose': 0}
-    """
-    signature = inspect.signature(method)
-    bound = signature.bind_partial(None, *args, **kwargs)
-    bound.apply_defaults()
-    values = dict(bound.arguments)
-    values.pop(next(iter(signature.parameters)))
-    extra = values.pop("kwargs", None)
-    if extra:
-        values.update(extra)
-    return values
-
-
 def _shard_arrays_or_data(backend, x, y, sample_weight, batch_size, shuffle):
-    if _is_arrays(x, y, sample_weight):
+    if fit_call.is_arrays(x, y, sample_weight):
         arrays = _to_numpy((x, y, sample_weight))
         if shuffle:
             return _make_shuffled_arrays(backend, arrays, batch_size or DEFAULT_BATCH_SIZE, shuffle)
@@ -328,45 +301,49 @@ def _shard_arrays_or_data(backend, x, y, sample_weight, batch_size, shuffle):
     return shard_global_batches(x, backend, aligned=True)
 
 
-def shard_fit_inputs(backend: TorchEngine, fit: Callable, args: tuple, kwargs: dict,
-                     model: Any = None) -> dict:
-    """`fit(self, *args, **kwargs)`'s arguments with every input replaced by this worker's shard.
+class TorchFitHooks(fit_call.FitHooks):
+    """torch's part of a `fit`/`evaluate` call: every input becomes this worker's shard.
 
-    `fit` is Keras' own `fit` (its signature names the arguments). A shuffled input of a
-    resumable fit first becomes keras_mwms' ordered stream (`keras_mwms.resumable_inputs`).
+    The policy (binding, scope, TF_CONFIG, row checks, validation_split, class weights of
+    arrays, `prepare_fit`, chief-only progress) is `keras_mwms.backends.fit_call`'s.
     """
-    values = bind_arguments(fit, args, kwargs)
+
+    def fed(self, x: Any) -> bool:
+        return isinstance(x, Sharded)
+
+    def align_shuffles(self, call: fit_call.FitCall) -> None:
+        # Keras shuffles a PyDataset's batches itself, with Python's `random`; shuffled arrays
+        # and a shuffling DataLoader draw from torch's global RNG. Every worker takes the
+        # chief's states (one broadcast, always made), so all draw the chief's order.
+        values = call.arguments
+        x, shuffle = values["x"], bool(values["shuffle"])
+        align_random_states(
+            call.backend, python_random=shuffle and isinstance(x, _keras_pydataset()),
+            torch_random=shuffle and fit_call.is_arrays(x, values["y"], values["sample_weight"])
+            or _shuffling_loader(x) or _shuffling_loader(values["validation_data"]))
+
+    def feed(self, call: fit_call.FitCall) -> None:
+        backend, values = call.backend, call.arguments
+        if call.method == "evaluate":
+            if _shuffling_loader(values["x"]):
+                align_random_states(backend, torch_random=True)
+            values["x"] = _shard_arrays_or_data(backend, values["x"], values["y"], values["sample_weight"],
+                                                values["batch_size"], False)
+            values.update(y=None, sample_weight=None, batch_size=None)
+        elif call.method == "fit":
+            _shard_fit_inputs(backend, values)
+
+
+def _shard_fit_inputs(backend: TorchEngine, values: dict) -> None:
+    """`fit`'s arguments with every input replaced by this worker's shard (in place)."""
     x, y, sample_weight = values["x"], values["y"], values["sample_weight"]
-    if isinstance(x, Sharded):
-        return values
-    # Keras shuffles a PyDataset's batches itself, with Python's `random`: keep its shuffle.
-    # Shuffled arrays and a shuffling DataLoader draw from torch's global RNG. Every worker
-    # takes the chief's states (one broadcast, always made), so all draw the chief's order.
-    shuffles_batches = bool(values["shuffle"]) and isinstance(x, _keras_pydataset())
-    validation = values["validation_data"]
-    align_random_states(
-        backend, python_random=shuffles_batches,
-        torch_random=bool(values["shuffle"]) and _is_arrays(x, y, sample_weight)
-        or _shuffling_loader(x) or _shuffling_loader(validation))
-    # The digest reads the dataset's shuffle seeds or first batch: only where it is compared.
-    compare = backend.distributed and not _sharding_off(x)
-    policy.check_same_rows(backend, x, "model.fit()", digest=first_batch_digest(x) if compare else None,
-                           batch_size=values["batch_size"])
-    resumable_inputs.prepare_fit(backend, model, values)
-    x, y, sample_weight = values["x"], values["y"], values["sample_weight"]
-    if _is_arrays(x, y, sample_weight):
-        x, y, sample_weight = _to_numpy((x, y, sample_weight))
-        if values["class_weight"] is not None:
-            sample_weight = internals.class_weight_to_sample_weights(
-                y, values["class_weight"])
-        if values["validation_split"] and values["validation_data"] is None:
-            (x, y, sample_weight), values["validation_data"] = internals.train_validation_split(
-                (x, y, sample_weight), values["validation_split"])
-    elif values["class_weight"] is not None:
+    if values["class_weight"] is not None:   # arrays' class weights are sample weights by now
         raise ValueError("keras_mwms: class_weight is supported with array inputs only; "
                          "add sample weights to your dataset instead.")
-    values["x"] = _shard_arrays_or_data(backend, x, y, sample_weight, values["batch_size"],
-                                        values["shuffle"])
+    if fit_call.is_arrays(x, y, sample_weight):
+        x, y, sample_weight = _to_numpy((x, y, sample_weight))
+    shuffles_batches = bool(values["shuffle"]) and isinstance(x, _keras_pydataset())
+    values["x"] = _shard_arrays_or_data(backend, x, y, sample_weight, values["batch_size"], values["shuffle"])
     validation = values["validation_data"]
     if validation is not None and not isinstance(validation, Sharded):
         if isinstance(validation, (tuple, list)):
@@ -378,34 +355,4 @@ def shard_fit_inputs(backend: TorchEngine, fit: Callable, args: tuple, kwargs: d
             backend, val_x, val_y, val_sample_weight,
             values["validation_batch_size"] or values["batch_size"], False)
     values.update(y=None, sample_weight=None, class_weight=None, batch_size=None,
-                  validation_split=0.0, validation_batch_size=None, shuffle=shuffles_batches)
-    return values
-
-
-def shard_evaluate_inputs(backend: TorchEngine, evaluate: Callable, args: tuple, kwargs: dict,
-                          model: Any = None) -> dict:
-    """`evaluate`'s arguments with the data replaced by this worker's shard (no shuffling).
-
-    `evaluate` is Keras' own `evaluate` (its signature names the arguments).
-    """
-    values = bind_arguments(evaluate, args, kwargs)
-    x = values["x"]
-    if isinstance(x, Sharded):
-        return values
-    policy.check_same_rows(backend, x, "model.evaluate()")
-    if _shuffling_loader(x):
-        align_random_states(backend, torch_random=True)
-    values["x"] = _shard_arrays_or_data(backend, x, values["y"], values["sample_weight"],
-                                        values["batch_size"], False)
-    values.update(y=None, sample_weight=None, batch_size=None)
-    return values
-
-
-def _sharding_off(x) -> bool:
-    """Whether `x` is a tf.data.Dataset with AutoShardPolicy.OFF (per-worker data by intent)."""
-    module = type(x).__module__
-    if not (module.startswith("tensorflow") and hasattr(x, "options")):
-        return False
-    import tensorflow as tf
-
-    return x.options().experimental_distribute.auto_shard_policy == tf.data.experimental.AutoShardPolicy.OFF
+                  validation_batch_size=None, shuffle=shuffles_batches)

@@ -34,7 +34,7 @@ import inspect
 from collections.abc import Callable
 
 from keras_mwms import active
-from keras_mwms.backends import model_scope, policy
+from keras_mwms.backends import fit_call, policy
 from keras_mwms.backends.keras_api import attributes, targets
 from keras_mwms.backends.patches import KerasHas, Patch, PatchTable
 from keras_mwms.backends.torch import data, fused_adam, gradients, metrics, training
@@ -43,49 +43,8 @@ from keras_mwms.backends.torch.state import STATE, backend_of, model_of
 _NO_HOOKS = "Keras' torch trainer has no distribution hooks (keras-team/keras#18870)"
 
 
-def _quiet_unless_chief(backend, arguments: dict) -> dict:
-    """Progress bars and epoch lines on the chief only (every worker's logs are the same)."""
-    if not backend.is_chief:
-        arguments["verbose"] = 0
-    return arguments
-
-
 # -- TorchTrainer -------------------------------------------------------------------------
-def _sharded(shard_inputs: Callable, fit: bool = False) -> Callable:
-    """`fit`/`evaluate` of a tagged model on this worker's shard of the global batches; `fit` of
-    an untagged one is refused while the strategy is active (`model_scope`), and a `fit` first
-    checks TF_CONFIG and ends with the workers-agree check."""
-    def replacement(original: Callable) -> Callable:
-        @functools.wraps(original)
-        def run_on_shard(self, *args, **kwargs):
-            backend = backend_of(self)
-            if fit and backend is None and active.active_backend() is not None:
-                model_scope.require_created_in_scope(active.active_backend(), self, "fit")
-            if backend is None or kwargs.get("_use_cached_eval_dataset"):   # fit's validation
-                return original(self, *args, **kwargs)
-            if fit:
-                backend.check_tf_config_unchanged(stacklevel=2)
-            result = original(self, **_quiet_unless_chief(
-                backend, shard_inputs(backend, original, args, kwargs, model=self)))
-            if fit:
-                backend.check_workers_agree(self, "model.fit()")
-            return result
-
-        return run_on_shard
-
-    return replacement
-
-
-def _local_predict(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def predict(self, *args, **kwargs):
-        backend = backend_of(self)
-        if backend is None or backend.is_chief:
-            return original(self, *args, **kwargs)
-        return original(self, **_quiet_unless_chief(
-            backend, data.bind_arguments(original, args, kwargs)))
-
-    return predict
+_HOOKS = data.TorchFitHooks()
 
 
 def _distributed_step(prepare: Callable, wrap: Callable) -> Callable:
@@ -233,16 +192,15 @@ _GRADIENTS = (f"{_NO_HOOKS}: the global-batch gradient (all-reduced, divided by 
               "before Keras clips, unscales and applies it")
 
 TABLE = PatchTable("torch", [
-    Patch("torch-fit-sharded-inputs", targets.TRAINER_FIT, _sharded(data.shard_fit_inputs, fit=True),
+    Patch("torch-fit-sharded-inputs", targets.TRAINER_FIT, fit_call.replacement("fit", _HOOKS),
           f"{_NO_HOOKS}: fit's global batches become this worker's shard; progress on the chief",
-          parameters=("x", "y", "batch_size", "verbose", "sample_weight", "class_weight",
-                      "validation_split", "validation_data", "validation_batch_size", "shuffle")),
-    Patch("torch-evaluate-sharded-inputs", targets.TRAINER_EVALUATE, _sharded(data.shard_evaluate_inputs),
+          parameters=fit_call.PARAMETERS["fit"]),
+    Patch("torch-evaluate-sharded-inputs", targets.TRAINER_EVALUATE, fit_call.replacement("evaluate", _HOOKS),
           f"{_NO_HOOKS}: evaluate's global batches become this worker's shard",
-          parameters=("x", "y", "batch_size", "verbose", "sample_weight")),
-    Patch("torch-predict-on-chief-output", targets.TRAINER_PREDICT, _local_predict,
+          parameters=fit_call.PARAMETERS["evaluate"]),
+    Patch("torch-predict-on-chief-output", targets.TRAINER_PREDICT, fit_call.replacement("predict", _HOOKS),
           "predict on every worker prints Keras' progress bar once per worker",
-          parameters=("verbose",)),
+          parameters=fit_call.PARAMETERS["predict"]),
     Patch("torch-train-function", targets.TRAINER_MAKE_TRAIN_FUNCTION,
           _distributed_step(training.prepare_fit, training.wrap_train_function),
           f"{_NO_HOOKS}: the chief's variables at every fit, the distributed train step"),
