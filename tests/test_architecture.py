@@ -146,3 +146,23 @@ def test_no_keras_mwms_attributes_set_on_keras_objects():
                     if isinstance(target, ast.Attribute) and target.attr.startswith(("_keras_mwms", "__keras_mwms")):
                         setters.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert setters == []
+
+
+def _top_level(path: Path) -> tuple[set[str], set[str]]:
+    """Names of the functions, and the bases of the classes, defined at the top of `path`."""
+    tree = ast.parse(path.read_text())
+    functions = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+    bases = {getattr(base, "attr", getattr(base, "id", "")) for node in tree.body
+             if isinstance(node, ast.ClassDef) for base in node.bases}
+    return functions, bases
+
+
+def test_each_backend_names_its_patch_table_alike_and_supplies_one_fit_hooks():
+    """`<backend>/patches.py:patch_table(backend)`; the fit-call policy is `fit_call`'s, each
+    backend only subclasses `FitHooks` once."""
+    for adapter in ADAPTERS:
+        functions, _ = _top_level(PACKAGE / "backends" / adapter / "patches.py")
+        assert "patch_table" in functions, adapter
+        hooks = [path.name for path in (PACKAGE / "backends" / adapter).glob("*.py")
+                 if "FitHooks" in _top_level(path)[1]]
+        assert len(hooks) == 1, (adapter, hooks)
