@@ -350,3 +350,23 @@ def test_only_the_keras_firewall_names_private_keras_modules():
                  for number, line in enumerate(path.read_text().splitlines(), 1)
                  if "keras.src" in line or "keras/src" in line]
     assert offenders == []
+
+
+def _top_level(path: Path) -> tuple[set[str], set[str]]:
+    """Names of the functions, and the bases of the classes, defined at the top of `path`."""
+    tree = ast.parse(path.read_text())
+    functions = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+    bases = {getattr(base, "attr", getattr(base, "id", "")) for node in tree.body
+             if isinstance(node, ast.ClassDef) for base in node.bases}
+    return functions, bases
+
+
+def test_each_backend_names_its_patch_table_alike_and_supplies_one_fit_hooks():
+    """`<backend>/patches.py:patch_table(backend)`; the fit-call policy is `fit_call`'s, each
+    backend only subclasses `FitHooks` once."""
+    for adapter in ADAPTERS:
+        functions, _ = _top_level(PACKAGE / "backends" / adapter / "patches.py")
+        assert "patch_table" in functions, adapter
+        hooks = [path.name for path in (PACKAGE / "backends" / adapter).glob("*.py")
+                 if "FitHooks" in _top_level(path)[1]]
+        assert len(hooks) == 1, (adapter, hooks)

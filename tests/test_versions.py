@@ -39,15 +39,15 @@ REPO = Path(__file__).resolve().parent.parent
 def all_tables() -> list[PatchTable]:
     """Every patch table keras_mwms installs (the TensorFlow one is built per joined backend)."""
     from keras_mwms.backends import callback_list, model_scope, resume
-    from keras_mwms.backends.jax.patches import PATCHES as jax_table
+    from keras_mwms.backends.jax import patches as jax_patches
+    from keras_mwms.backends.tensorflow import patches as tensorflow_patches
     from keras_mwms.backends.tensorflow.gradients import RowWeighting
-    from keras_mwms.backends.tensorflow.patches import patch_table
-    from keras_mwms.backends.torch.patches import TABLE as torch_table
+    from keras_mwms.backends.torch import patches as torch_patches
     from keras_mwms.diagnostics.patches import PATCHES as diagnostics_table
 
-    tensorflow_table = patch_table(types.SimpleNamespace(strategy=object(), row_weighting=RowWeighting(None)))
-    return [resume.PATCHES, model_scope.PATCHES, callback_list.PATCHES, diagnostics_table, tensorflow_table,
-            jax_table, torch_table]
+    backend = types.SimpleNamespace(strategy=object(), row_weighting=RowWeighting(None))
+    return [resume.PATCHES, model_scope.PATCHES, callback_list.PATCHES, diagnostics_table,
+            *(module.patch_table(backend) for module in (tensorflow_patches, jax_patches, torch_patches))]
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ whose target is gone or lacks a parameter the replacement relies on (`PatchTable
 then `ROWS <count>`. Nothing is installed, so the override is not needed.
 """
 
+import importlib
 import os
 import types
 
@@ -14,15 +15,12 @@ import keras  # noqa: E402
 from keras_mwms.backends import resume  # noqa: E402
 
 backend = os.environ["KERAS_BACKEND"]
+stand_in = types.SimpleNamespace(strategy=object(), row_weighting=None)   # the table's backend
 if backend == "tensorflow":
     from keras_mwms.backends.tensorflow.gradients import RowWeighting
-    from keras_mwms.backends.tensorflow.patches import patch_table
 
-    table = patch_table(types.SimpleNamespace(strategy=object(), row_weighting=RowWeighting(None)))
-elif backend == "jax":
-    from keras_mwms.backends.jax.patches import PATCHES as table
-else:
-    from keras_mwms.backends.torch.patches import TABLE as table
+    stand_in.row_weighting = RowWeighting(None)
+table = importlib.import_module(f"keras_mwms.backends.{backend}.patches").patch_table(stand_in)
 
 problems = [problem for each in (table, resume.PATCHES) for problem in each.check()
             if "instance." not in problem]   # (the stand-in strategy of the TensorFlow table)

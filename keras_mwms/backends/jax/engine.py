@@ -43,9 +43,8 @@ import numpy as np
 from keras_mwms import devices
 from keras_mwms.backends import policy
 from keras_mwms.backends.base import Backend
-from keras_mwms.backends.jax import flat, surface
+from keras_mwms.backends.jax import flat, patches, surface
 from keras_mwms.backends.jax.faults import LostWorkerForensics, coordination_client
-from keras_mwms.backends.jax.patches import PATCHES
 from keras_mwms.backends.patches import ObjectState, PatchTable
 from keras_mwms.communication import CommunicationImplementation
 from keras_mwms.errors import StrategyCreatedTooLateError
@@ -174,7 +173,7 @@ class JaxBackend(Backend):
 
     def patch_table(self) -> PatchTable:
         """The JAX rows (see `keras_mwms.backends.jax.patches`): one table for the process."""
-        return PATCHES
+        return patches.patch_table(self)
 
     def leave(self) -> None:
         """Unsets the DataParallel distribution and shuts `jax.distributed` down (every worker must call it).

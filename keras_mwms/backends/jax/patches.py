@@ -1,4 +1,5 @@
-"""The private-Keras patches keras_mwms applies on the JAX backend: one `PatchTable`, `PATCHES`.
+"""The private-Keras patches keras_mwms applies on the JAX backend: one `PatchTable`, `PATCHES`
+(`patch_table(backend)`, as on every backend).
 
 The strategy installs the table after `JaxBackend.join()` and `strategy.close()` removes it.
 Every replacement asks `keras_mwms.active.active_backend()` and calls the original Keras code
@@ -50,6 +51,7 @@ import contextlib
 import functools
 import inspect
 import warnings
+from typing import Any
 
 import numpy as np
 
@@ -410,3 +412,8 @@ PATCHES = PatchTable("jax", [
           parameters=("logs",), works_around="flat-path metric results must come from every "
                                               "worker's state, not this worker's rows"),
 ])
+
+
+def patch_table(backend: Any) -> PatchTable:
+    """The JAX rows, the same table for every backend object of the process (`PATCHES`)."""
+    return PATCHES

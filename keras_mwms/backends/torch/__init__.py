@@ -8,7 +8,7 @@ Keras 3.15.1 has no multi-process support on torch, so this adapter supplies all
 | `faults` | a failed collective becomes `keras_mwms.WorkerLostError` naming the lost worker(s) |
 | `scope` | variables created in `strategy.scope()` take the chief's values at its exit |
 | `backend` | `TorchBackend`: the engine, the scope and the tf.distribute-style surface |
-| `patches` | the private-Keras patches (`TABLE`), installed while the strategy is open |
+| `patches` | the private-Keras patches (`PATCHES`, `patch_table`), installed while the strategy is open |
 | `data` | global batches of any input → this worker's shard |
 | `training` | the distributed train and test steps |
 | `gradients` | global-batch gradients, synchronized BatchNormalization |

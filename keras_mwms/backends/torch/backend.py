@@ -55,8 +55,8 @@ class TorchBackend(TorchEngine):
         self._scope_variables = ScopeVariables(self)
 
     def patch_table(self) -> PatchTable:
-        """The torch rows (`keras_mwms.backends.torch.patches.TABLE`), one table per process."""
-        return patches.TABLE
+        """The torch rows (`keras_mwms.backends.torch.patches.PATCHES`), one table per process."""
+        return patches.patch_table(self)
 
     # -- scope ----------------------------------------------------------------------------
     def scope(self) -> contextlib.AbstractContextManager:

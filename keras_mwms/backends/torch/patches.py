@@ -2,7 +2,7 @@
 
 Keras 3.15.1 has no distribution hooks on torch (keras-team/keras#18870 asks for them; the
 DTensor DataParallel on Keras master is unreleased), so the rows below patch `TorchTrainer`,
-`BatchNormalization`, the torch `Variable` and the optimizers. `TABLE` is installed when the
+`BatchNormalization`, the torch `Variable` and the optimizers. `PATCHES` (`patch_table(backend)`) is installed when the
 strategy joins and uninstalled by `strategy.close()`. Models created outside
 `strategy.scope()` are untouched: every wrapper asks `keras_mwms.backends.torch.state` for the
 model's backend (the neutral tag of `keras_mwms.backends.model_scope`) (optimizers: for the model they train) and otherwise calls Keras' original.
@@ -23,7 +23,7 @@ What a model created in the scope gets:
 
 Example:
 
->>> [row.name for row in TABLE][:3]
+>>> [row.name for row in PATCHES][:3]
 ['torch-fit-sharded-inputs', 'torch-evaluate-sharded-inputs', 'torch-predict-on-chief-output']
 """
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
+from typing import Any
 
 from keras_mwms import active
 from keras_mwms.backends import fit_call, policy
@@ -191,7 +192,7 @@ _ROWS = f"{_NO_HOOKS}: each worker's loss is weighted by its shard's rows"
 _GRADIENTS = (f"{_NO_HOOKS}: the global-batch gradient (all-reduced, divided by the global rows) "
               "before Keras clips, unscales and applies it")
 
-TABLE = PatchTable("torch", [
+PATCHES = PatchTable("torch", [
     Patch("torch-fit-sharded-inputs", targets.TRAINER_FIT, fit_call.replacement("fit", _HOOKS),
           f"{_NO_HOOKS}: fit's global batches become this worker's shard; progress on the chief",
           parameters=fit_call.PARAMETERS["fit"]),
@@ -245,3 +246,8 @@ TABLE = PatchTable("torch", [
           "ms on the benchmark MLP): the same operations into two reused buffers, bit-identical",
           parameters=("grads", "variables", "learning_rate")),
 ])
+
+
+def patch_table(backend: Any) -> PatchTable:
+    """The torch rows, the same table for every backend object of the process (`PATCHES`)."""
+    return PATCHES
