@@ -77,10 +77,15 @@ def install_overlay(release: str) -> tuple[Path | None, str]:
     """The overlay directory for `release` (installed if missing) and the Keras version in it."""
     if release == "installed":
         return None, _version_in(None)
+    if release == "pinned-nightly":
+        release = pinned_nightly()
     if release == "nightly":
         target = OVERLAYS / "keras-nightly"
         shutil.rmtree(target, ignore_errors=True)
         requirement = ["--pre", "keras-nightly"]
+    elif ".dev" in release:
+        target = OVERLAYS / f"keras-nightly-{release}"
+        requirement = [f"keras-nightly=={release}"]
     else:
         target = OVERLAYS / f"keras-{release}"
         requirement = [f"keras=={release}"]
@@ -88,6 +93,20 @@ def install_overlay(release: str) -> tuple[Path | None, str]:
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
                         str(target), *requirement], check=True)
     return target, _version_in(target)
+
+
+def pinned_nightly() -> str:
+    """The keras-nightly release constraints.txt pins (`keras-nightly==3.16.0.dev…`): CI's nightly row.
+
+    Example:
+
+    >>> ".dev" in pinned_nightly()
+    True
+    """
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        if line.startswith("keras-nightly=="):
+            return line.split("==", 1)[1].strip()
+    raise SystemExit("constraints.txt pins no keras-nightly (a line `keras-nightly==3.16.0.dev…`).")
 
 
 def _version_in(overlay: Path | None) -> str:
