@@ -116,7 +116,9 @@ def _noting_new_variables(original):
 
 # -- global batches -----------------------------------------------------------------------
 def _arrays_pass_through(original):
-    def distribute_data(data_, layouts=None):
+    # Forwards whatever else Keras passes (3.16 adds `is_super_batch`).
+    @functools.wraps(original)
+    def distribute_data(data_, *args, **kwargs):
         import jax
         from jax.sharding import NamedSharding
         from keras.src import tree
@@ -125,7 +127,7 @@ def _arrays_pass_through(original):
         if leaves and all(isinstance(leaf, jax.Array) and isinstance(leaf.sharding, NamedSharding)
                           for leaf in leaves):
             return data_
-        return original(data_, layouts)
+        return original(data_, *args, **kwargs)
 
     return distribute_data
 
