@@ -126,6 +126,42 @@ def _global_metric_results(original: Callable) -> Callable:
     return _get_metrics_result_or_logs
 
 
+# -- Keras' own torch distribution (Keras 3.16) --------------------------------------------
+# From Keras 3.16 the torch trainer distributes by itself whenever `torch.distributed` is
+# initialized: it wraps the model in DistributedDataParallel (`_initialize_ddp`) and sums every
+# metric variable across processes in `get_metrics_result`. keras_mwms already does both (one
+# row-weighted gradient all-reduce per step that also carries the metric states; min/max
+# metrics reduced as such; uneven shards), so while a keras_mwms strategy is active Keras' path
+# is off for every model: a model of the strategy's scope would otherwise issue its collectives
+# twice, and any other model (a chief-only `evaluate`) would enter collectives its peers never
+# join, where on Keras 3.12-3.15 it ran locally.
+def _no_keras_ddp(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def _initialize_ddp(self, *args, **kwargs):
+        if active.active_backend() is None:
+            return original(self, *args, **kwargs)
+        return None
+
+    return _initialize_ddp
+
+
+def _local_metric_results(original: Callable) -> Callable:
+    import keras
+
+    # Keras' own, undistributed results: the definition deepest in keras.Model's MRO (the base
+    # trainer's), taken before any row replaces it.
+    local = next(vars(klass)["get_metrics_result"] for klass in reversed(keras.Model.__mro__)
+                 if "get_metrics_result" in vars(klass))
+
+    @functools.wraps(original)
+    def get_metrics_result(self, *args, **kwargs):
+        if active.active_backend() is None:
+            return original(self, *args, **kwargs)
+        return local(self, *args, **kwargs)
+
+    return get_metrics_result
+
+
 # -- BatchNormalization, variables ----------------------------------------------------------
 def _synchronized_batch_norm(original: Callable) -> Callable:
     signature = inspect.signature(original)
@@ -230,6 +266,8 @@ def _adam_without_temporaries(original: Callable) -> Callable:
 
 
 _OPTIMIZERS = "keras.src.optimizers"
+# Keras' torch trainer distributes by itself (new in 3.16): DDP and all-reduced metric results.
+_KERAS_DISTRIBUTES = KerasHas(f"{_TRAINER}._initialize_ddp")
 _ROWS = f"{_NO_HOOKS}: each worker's loss is weighted by its shard's rows"
 _GRADIENTS = (f"{_NO_HOOKS}: the global-batch gradient (all-reduced, divided by the global rows) "
               "before Keras clips, unscales and applies it")
@@ -254,6 +292,16 @@ TABLE = PatchTable("torch", [
     Patch("torch-global-metric-results", f"{_TRAINER}._get_metrics_result_or_logs",
           _global_metric_results, f"{_NO_HOOKS}: metric results of every worker's rows",
           parameters=("logs",)),
+    Patch("torch-no-keras-ddp", f"{_TRAINER}._initialize_ddp", _no_keras_ddp,
+          "Keras 3.16 wraps the model in DistributedDataParallel whenever torch.distributed is "
+          "initialized: a second gradient all-reduce per step on top of keras_mwms' (and "
+          "collectives for models outside the scope)",
+          applies=_KERAS_DISTRIBUTES),
+    Patch("torch-no-keras-metric-all-reduce", f"{_TRAINER}.get_metrics_result", _local_metric_results,
+          "Keras 3.16 sums every metric variable across processes in get_metrics_result (one "
+          "all-reduce per variable, per step, and min/max metrics summed; TorchDynamo fails in "
+          "it under jit_compile=True): results come from this worker's states, made global by "
+          "keras_mwms", applies=_KERAS_DISTRIBUTES),
     Patch("torch-synchronized-batchnorm", f"{_BATCH_NORM}.__init__", _synchronized_batch_norm,
           "Keras refuses BatchNormalization(synchronized=True) off TensorFlow (keras-team/keras#19118)",
           parameters=("synchronized",)),
