@@ -67,19 +67,27 @@ SUPPORTED_BACKENDS = {
 ANY_KERAS = ("*",)
 ALLOW_UNTESTED_ENV = "KERAS_MWMS_ALLOW_UNTESTED_KERAS"
 
-_RELEASE = re.compile(r"(\d+)\.(\d+)(?:\.\d+)*(?:\+[\w.]+)?")
+# PEP 440: release numbers, then an optional pre-release (a, b, rc), post- and dev-release, local tag.
+_RELEASE = re.compile(r"(\d+)\.(\d+)(?:\.\d+)*(?:[-_.]?(?:a|b|rc)\d*)?(?:[-_.]?post\d*)?"
+                      r"(?:[-_.]?dev\d*)?(?:\+[\w.]+)?")
 _warned: set[tuple[str, str]] = set()
 
 
 def release_series(version: str) -> str:
-    """The minor release a version belongs to; a pre-release (dev, rc) is a series of its own.
+    """The minor release a version belongs to; a pre-release (dev, rc) belongs to the one it leads to.
+
+    A keras-nightly `3.16.0.dev…` is a release candidate of Keras 3.16, so it counts as 3.16:
+    refused while 3.16 is not supported, served by the 3.16 rows once it is. A version that is
+    not PEP 440 stays a series of its own (never supported).
 
     Example:
 
     >>> release_series("3.14.1"), release_series("2.13.0+cpu"), release_series("0.9.0.1")
     ('3.14', '2.13', '0.9')
-    >>> release_series("3.16.0.dev2026102704")
-    '3.16.0.dev2026102704'
+    >>> release_series("3.16.0.dev2026102704"), release_series("2.22.0rc0"), release_series("3.16.0rc1")
+    ('3.16', '2.22', '3.16')
+    >>> release_series("nightly")
+    'nightly'
     """
     match = _RELEASE.fullmatch(version)
     return f"{match.group(1)}.{match.group(2)}" if match else version
