@@ -32,6 +32,7 @@ parser.add_argument("--out", required=True)
 parser.add_argument("--reference", action="store_true", help="one process of plain Keras")
 parser.add_argument("--backup", default=None)
 parser.add_argument("--kill-at-step", type=int, default=-1)
+parser.add_argument("--jit-compile", action="store_true", help="compile(jit_compile=True) (manual runs)")
 arguments = parser.parse_args()
 
 import keras  # noqa: E402
@@ -43,7 +44,8 @@ x, y = common.regression_data(rows=256)
 def build(optimizer=None):
     keras.utils.set_random_seed(5)
     model = common.mlp(hidden=16)
-    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"],
+                  jit_compile=True if arguments.jit_compile else "auto")
     return model
 
 
