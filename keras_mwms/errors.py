@@ -61,3 +61,19 @@ class WorkersDifferError(RuntimeError):
         super().__init__(message)
         self.variable = variable
         self.workers = list(workers or [])
+
+
+class KerasVersionError(RuntimeError):
+    """The installed Keras (or backend) is one keras_mwms cannot serve; raised before the
+    workers meet, by `MultiWorkerMirroredStrategy()` on every worker.
+
+    The message names the installed release, what is outside the supported range or which
+    private Keras names it lacks, the supported releases and the override
+    (`KERAS_MWMS_ALLOW_UNTESTED_KERAS=1`, which tries a release outside the range that still
+    has every name keras_mwms needs).
+
+    Example:
+
+    >>> isinstance(KerasVersionError("Keras 3.11.3 is not supported"), RuntimeError)
+    True
+    """

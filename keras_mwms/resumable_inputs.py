@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from keras_mwms.backends.keras_api import internals
 from keras_mwms.data_order import DataOrder, draw_seed
 
 # A callback class attribute: when true on any of fit's callbacks, shuffled inputs take a
@@ -57,7 +58,7 @@ def _keras_pydataset():
 
 
 def _rows(batch: Any) -> int:
-    from keras.src import tree
+    from keras import tree
 
     for leaf in tree.flatten(batch):
         if leaf is not None and getattr(leaf, "shape", None) is not None and len(leaf.shape):
@@ -199,7 +200,7 @@ def _to_numpy(leaf):
 
 
 def _take_rows(arrays, ids):
-    from keras.src import tree
+    from keras import tree
 
     picked = tree.map_structure(lambda leaf: None if leaf is None else leaf[ids], arrays)
     picked = tuple(picked)
@@ -277,10 +278,8 @@ def prepare_fit(port: Any, model: Any, arguments: dict) -> None:
     x = arguments.get("x")
     shuffle = arguments.get("shuffle", True)
     steps = arguments.get("steps_per_epoch")
-    from keras.src.trainers.data_adapters import array_data_adapter
-
     y, sample_weight = arguments.get("y"), arguments.get("sample_weight")
-    is_arrays = x is not None and array_data_adapter.can_convert_arrays((x, y, sample_weight))
+    is_arrays = x is not None and internals.can_convert_arrays((x, y, sample_weight))
     is_pydataset = isinstance(x, _keras_pydataset())
     sampler = _shuffling_loader(x)
     tf_problem = _tf_shuffle_problem(x)
@@ -325,17 +324,16 @@ def prepare_fit(port: Any, model: Any, arguments: dict) -> None:
 
 
 def _array_stream(seed: int, arguments: dict, x, y, sample_weight):
-    from keras.src import tree
-    from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
+    from keras import tree
 
     x, y, sample_weight = tree.map_structure(_to_numpy, (x, y, sample_weight))
     class_weight = arguments.get("class_weight")
     if class_weight is not None:
-        sample_weight = data_adapter_utils.class_weight_to_sample_weights(y, class_weight)
+        sample_weight = internals.class_weight_to_sample_weights(y, class_weight)
     validation_split = arguments.get("validation_split") or 0.0
     if validation_split and arguments.get("validation_data") is None:
-        (x, y, sample_weight), arguments["validation_data"] = array_slicing.train_validation_split(
-            (x, y, sample_weight), validation_split=validation_split)
+        (x, y, sample_weight), arguments["validation_data"] = internals.train_validation_split(
+            (x, y, sample_weight), validation_split)
     batch_size = arguments.get("batch_size") or 32
     if arguments.get("validation_data") is not None and arguments.get("validation_batch_size") is None:
         arguments["validation_batch_size"] = batch_size

@@ -4,9 +4,12 @@ Construction order is the whole point of this module:
 
 1. **resolve** — take the given resolver, else detect the orchestrator (`TF_CONFIG`, a Slurm
    step, torchrun, MPI: `keras_mwms.resolvers.detect`) and log the chosen source on the chief;
-2. **rendezvous** — meet every worker over plain TCP, bounded and fingerprinted, so a missing
+2. **check Keras** — every private Keras name the backend needs, and the releases
+   (`keras_mwms.backends.keras_api.usability.require_usable`): a Keras keras_mwms cannot serve
+   fails every worker here, in seconds, not after the rendezvous;
+3. **rendezvous** — meet every worker over plain TCP, bounded and fingerprinted, so a missing
    or misconfigured worker is named instead of hanging a backend forever;
-3. **join** — start the backend's real collective engine (TF collectives, `jax.distributed`,
+4. **join** — start the backend's real collective engine (TF collectives, `jax.distributed`,
    `torch.distributed`) on the chief's address.
 
 Everything after construction is delegated to the backend adapter in `keras_mwms.backends`.
@@ -23,6 +26,7 @@ from typing import Any
 from keras_mwms import active, devices, diagnostics, threads
 from keras_mwms.advice import advice_for
 from keras_mwms.backends import backend_class, callback_list, policy, resume
+from keras_mwms.backends.keras_api.usability import require_usable
 from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver
 from keras_mwms.communication import CommunicationOptions
 from keras_mwms.compat_v1 import CompatV1Methods
@@ -122,6 +126,8 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
         missing = devices.missing_backend_error({"KERAS_BACKEND": self._backend_name})
         if missing is not None:
             raise missing
+        # Before the rendezvous: a Keras keras_mwms cannot serve fails every worker at once.
+        require_usable(self._backend_name)
         backend_type = backend_class(self._backend_name)
         self._backend = backend_type(self._resolver, self._options, self._tf_config_at_creation)
         # One worker by choice (`keras_mwms.launch --workers 1`, e.g. one TensorFlow worker with

@@ -7,7 +7,8 @@
   active;
 - backend adapters never import each other, only the neutral core;
 - no class in `keras_mwms/backends/` is longer than 300 lines;
-- no `_keras_mwms_*` attribute is set on Keras objects (per-object state lives in `ObjectState`).
+- no `_keras_mwms_*` attribute is set on Keras objects (per-object state lives in `ObjectState`);
+- only the Keras firewall (`keras_mwms/backends/keras_api/`) names `keras.src`.
 """
 
 from __future__ import annotations
@@ -146,3 +147,17 @@ def test_no_keras_mwms_attributes_set_on_keras_objects():
                     if isinstance(target, ast.Attribute) and target.attr.startswith(("_keras_mwms", "__keras_mwms")):
                         setters.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert setters == []
+
+
+FIREWALL = PACKAGE / "backends" / "keras_api"
+
+
+def test_only_the_keras_firewall_names_private_keras_modules():
+    """`keras.src` (imports, patch targets, docstrings, comments) appears only in
+    `keras_mwms/backends/keras_api/`: a Keras release that moves a private module changes
+    the firewall alone, and its usability check sees every name."""
+    offenders = [f"{path.relative_to(PACKAGE)}:{number}"
+                 for path in PACKAGE.rglob("*.py") if FIREWALL not in path.parents
+                 for number, line in enumerate(path.read_text().splitlines(), 1)
+                 if "keras.src" in line or "keras/src" in line]
+    assert offenders == []

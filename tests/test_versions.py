@@ -15,9 +15,12 @@ import types
 import warnings
 from pathlib import Path
 
+import keras
 import pytest
 
 from keras_mwms.backends import patches
+from keras_mwms.backends.keras_api import anchors, targets
+from keras_mwms.backends.keras_api.anchors import Target
 from keras_mwms.backends.patches import (
     ALLOW_UNTESTED_ENV,
     ANY_KERAS,
@@ -83,7 +86,7 @@ def test_every_row_declares_supported_releases_and_private_keras_rows_name_them(
         for row in table:
             assert row.keras_versions, f"{table.name}:{row.name} declares no release"
             if row.keras_versions == ANY_KERAS:
-                assert not row.location().startswith("keras."), (
+                assert not isinstance(row.target, Target), (
                     f"{table.name}:{row.name} patches private Keras ({row.location()}) for any release")
                 continue
             assert set(row.keras_versions) <= set(SUPPORTED_KERAS), (table.name, row.name, row.keras_versions)
@@ -104,9 +107,30 @@ def test_rows_sharing_a_target_serve_different_releases_or_features():
 def test_every_row_for_the_installed_keras_finds_its_target():
     for table in all_tables():
         for row in table:
-            if isinstance(row.target, str) and row.serves_installed_keras():   # (not the stand-in strategy)
+            if isinstance(row.target, Target) and keras.backend.backend() not in row.target.needed_by:
+                continue                                 # another backend's row: its anchor finds this one's
+            if isinstance(row.target, (str, Target)) and row.serves_installed_keras():   # (not the stand-in strategy)
                 owner, attribute = row.resolve()
                 assert hasattr(owner, attribute), f"{row.name}: {row.location()} is missing"
+
+
+def test_every_private_keras_row_names_a_firewall_target():
+    declared = set(targets.ALL)
+    for table in all_tables():
+        for row in table:
+            if isinstance(row.target, str):
+                assert not row.target.startswith("keras"), f"{table.name}:{row.name} names Keras by a path"
+            elif isinstance(row.target, Target):
+                assert row.target in declared, f"{table.name}:{row.name}: {row.target} is not in keras_api.targets"
+
+
+def test_the_patch_tables_read_the_same_on_every_keras_release():
+    """Targets are written by anchor (`trainer.fit`), never by the class Keras gives them."""
+    for table in all_tables():
+        for line in table.markdown().splitlines()[2:]:
+            assert "TensorFlowTrainer" not in line and "JAXTrainer" not in line and "TorchTrainer" not in line
+    text = (REPO / "ARCHITECTURE.md").read_text()
+    assert anchors.markdown() in text, "ARCHITECTURE.md lacks the anchors' table (keras_api.anchors.markdown())"
 
 
 def test_the_patch_table_in_architecture_md_shows_every_rows_releases():
@@ -142,6 +166,20 @@ def test_an_unsupported_keras_is_a_clear_error_naming_both_releases_and_the_over
     assert f"Keras {version}" in message and RANGE in message and ALLOW_UNTESTED_ENV in message
     assert f"keras>={SUPPORTED_KERAS[0]},<{NEXT}" in message and TESTED_KERAS[-1] in message
     assert holder.step() == "keras" and not table.installed      # nothing was changed
+
+
+def test_the_override_warns_once_per_process_whichever_tables_ask(installed, monkeypatch):
+    installed(keras="3.16.0.dev2026102704")
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
+    tables = [example_table(name)[0] for name in ("model-scope", "tensorflow", "jax", "callbacks")]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for table in tables:
+            table.install()
+    for table in tables:
+        table.uninstall()
+    said = [str(warning.message) for warning in caught if ALLOW_UNTESTED_ENV in str(warning.message)]
+    assert len(said) == 1, said
 
 
 def test_the_override_tries_an_unsupported_keras_with_one_warning(installed, monkeypatch):
@@ -251,3 +289,57 @@ def test_the_pins_are_inside_the_range_and_the_readme_table_shows_every_tested_r
     section = section[:section.find("\n## ", 3)]
     for release in TESTED_KERAS:
         assert f"| {release} |" in section, f"README's compatibility table lacks Keras {release}"
+
+
+# -- refused before the rendezvous, on a real Keras outside the range ----------------------------
+
+REFUSED_RELEASE = "3.11.3"
+
+
+def test_a_keras_outside_the_range_is_refused_before_the_rendezvous(tmp_path):
+    """Worker 0 of a 2-worker TF_CONFIG, alone, on a real Keras 3.11.3 overlay: the strategy
+    fails at once naming the release, with no wait for worker 1 at the rendezvous (whose
+    timeout is 120 s here). Importing Keras and JAX comes first and is timed apart: it alone
+    takes 2-25 s on a loaded 2-core machine."""
+    import json
+    import os
+    import subprocess
+
+    from keras_mwms.launch import find_free_ports
+
+    overlay = REPO / "build" / "keras-overlays" / f"keras-{REFUSED_RELEASE}"
+    if not (overlay / "keras").is_dir():
+        installed = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
+                                    str(overlay), f"keras=={REFUSED_RELEASE}"], capture_output=True, timeout=120)
+        if installed.returncode != 0:
+            pytest.skip(f"keras=={REFUSED_RELEASE} cannot be installed here: {installed.stderr[-300:]!r}")
+    ports = find_free_ports(2)
+    tf_config = {"cluster": {"worker": [f"localhost:{port}" for port in ports]}, "task": {"type": "worker", "index": 0}}
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(overlay), str(REPO)]), "KERAS_BACKEND": "jax",
+                   "TF_CONFIG": json.dumps(tf_config), "KERAS_MWMS_RENDEZVOUS_TIMEOUT": "120"}
+    environment.pop(ALLOW_UNTESTED_ENV, None)
+    script = ("import sys, time, keras, keras_mwms\n"
+              "started = time.monotonic()\n"
+              "try:\n    keras_mwms.MultiWorkerMirroredStrategy()\n"
+              "finally:\n    print(f'constructor {time.monotonic() - started:.2f}', file=sys.stderr)\n")
+    finished = subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True,
+                              timeout=110, cwd=tmp_path)
+    assert finished.returncode != 0
+    assert "KerasVersionError" in finished.stderr and f"Keras {REFUSED_RELEASE}" in finished.stderr, finished.stderr[-2000:]
+    assert ALLOW_UNTESTED_ENV in finished.stderr
+    elapsed = float(re.search(r"constructor ([0-9.]+)", finished.stderr).group(1))
+    assert elapsed < 10, f"refused {elapsed:.1f} s into MultiWorkerMirroredStrategy()"
+
+
+def test_a_missing_private_name_is_refused_naming_it_and_the_release(monkeypatch):
+    from keras_mwms.backends.keras_api import usability
+    from keras_mwms.errors import KerasVersionError
+
+    gone = Target(anchors.TRAINER, "no_such_method")
+    monkeypatch.setattr(targets, "ALL", (*targets.ALL, gone))
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
+    with pytest.raises(KerasVersionError) as error:
+        usability.require_usable(keras.backend.backend())
+    message = str(error.value)
+    assert "trainer.no_such_method (class of keras.Model defining make_train_function)" in message
+    assert f"Keras {keras.__version__}" in message and f"{ALLOW_UNTESTED_ENV}=1 cannot help" in message

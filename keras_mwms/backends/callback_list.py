@@ -26,6 +26,7 @@ import functools
 import inspect
 from collections.abc import Callable
 
+from keras_mwms.backends.keras_api import targets
 from keras_mwms.backends.patches import Patch, PatchTable
 
 _conversion: Callable[[list], list] | None = None
@@ -61,7 +62,7 @@ def _converting_init(original):
 
 PATCHES = PatchTable("callbacks", [Patch(
     name="worker-aware-keras-callbacks",
-    target="keras.src.callbacks.callback_list:CallbackList.__init__",
+    target=targets.CALLBACK_LIST_INIT,
     replacement=_converting_init,
     works_around="Keras' own ModelCheckpoint, BackupAndRestore, CSVLogger and TensorBoard write the "
                  "user's path on every worker: HDF5 'unable to lock file' crashes, every CSV row and "

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from keras_mwms import active
+from keras_mwms.backends.keras_api import targets
 from keras_mwms.backends.patches import ObjectState, Patch, PatchTable
 
 _MODELS = ObjectState()   # model -> backend (its scope's), created_outside (a strategy was active)
@@ -97,7 +98,7 @@ def _tag_models(original: Callable) -> Callable:
 
 PATCHES = PatchTable("model-scope", [Patch(
     name="tag-models-in-scope",
-    target="keras.src.trainers.trainer:Trainer.__init__",
+    target=targets.BASE_TRAINER_INIT,
     replacement=_tag_models,
     works_around="Keras has no hook when a model is created: models created in strategy.scope() "
                  "are tagged with its backend, those created outside it are noted (every backend)",

@@ -1,7 +1,8 @@
 """The declarative table of private-Keras patches, and the one way to install and remove them.
 
-Every change keras_mwms makes to Keras internals is a `Patch` row: its name, the target
-(`"module:Owner.attribute"`), a factory that turns the original into the replacement, the
+Every change keras_mwms makes to Keras internals is a `Patch` row: its name, the target (a
+`keras_mwms.backends.keras_api.targets` constant: an attribute below a private Keras class or
+module found from a public one, so no private module path is written here), a factory that turns the original into the replacement, the
 upstream issue or Keras behaviour it works around, the Keras releases it is written for and
 the parameters the target must still accept. A backend's rows form a `PatchTable`; the
 strategy installs it when the backend joins and `MultiWorkerMirroredStrategy.close()`
@@ -19,8 +20,9 @@ Before a row is applied the table checks, loudly and before anything is changed:
 
 - the Keras release, and the backend's for a backend's table: inside the supported range
   nothing is said; outside it `install()` raises, naming the installed and supported releases
-  and the override (`KERAS_MWMS_ALLOW_UNTESTED_KERAS=1`: try anyway, with one warning, with the
-  rows written for the newest supported release);
+  and the override (`KERAS_MWMS_ALLOW_UNTESTED_KERAS=1`: try anyway, with one warning per
+  process, with the rows written for the newest supported release). The strategy checks the
+  same, and every private name, before the rendezvous (`keras_api.usability.require_usable`);
 - the target exists and still accepts the parameters the replacement relies on.
 
 Replacements that wrap the original forward `*args, **kwargs`, so a Keras release that adds a
@@ -54,6 +56,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from keras_mwms.backends.keras_api.anchors import Target
+from keras_mwms.errors import KerasVersionError
+
 SUPPORTED_KERAS = ("3.12", "3.13", "3.14", "3.15")
 """The Keras minor releases keras_mwms supports; each was tested at its newest patch release."""
 TESTED_KERAS = ("3.12.4", "3.13.2", "3.14.1", "3.15.1")
@@ -70,7 +75,7 @@ ALLOW_UNTESTED_ENV = "KERAS_MWMS_ALLOW_UNTESTED_KERAS"
 # PEP 440: release numbers, then an optional pre-release (a, b, rc), post- and dev-release, local tag.
 _RELEASE = re.compile(r"(\d+)\.(\d+)(?:\.\d+)*(?:[-_.]?(?:a|b|rc)\d*)?(?:[-_.]?post\d*)?"
                       r"(?:[-_.]?dev\d*)?(?:\+[\w.]+)?")
-_warned: set[tuple[str, str]] = set()
+_warned: set[str] = set()
 
 
 def release_series(version: str) -> str:
@@ -143,7 +148,7 @@ def require_supported_versions(backend: str | None = None) -> None:
     """Fails loudly before a private-Keras patch is applied outside the supported releases.
 
     Inside the range it says nothing. Set `KERAS_MWMS_ALLOW_UNTESTED_KERAS=1` to try other
-    releases anyway (one warning per release says so).
+    releases anyway (one warning per release and process says so, whichever table asks first).
 
     Example:
 
@@ -153,24 +158,25 @@ def require_supported_versions(backend: str | None = None) -> None:
     if not outside:
         return
     if os.environ.get(ALLOW_UNTESTED_ENV) == "1":
-        new = [text for text in outside if (backend or "", text) not in _warned]
-        _warned.update((backend or "", text) for text in new)
+        new = [text for text in outside if text not in _warned]
+        _warned.update(new)
         if new:
             warnings.warn(f"keras_mwms patches private Keras internals; it is trying "
                           f"{'; '.join(new)} because {ALLOW_UNTESTED_ENV}=1.", stacklevel=3)
         return
-    raise RuntimeError(
+    raise KerasVersionError(
         f"keras_mwms patches private Keras internals and supports Keras "
         f"{describe_releases(SUPPORTED_KERAS)} (tested: {', '.join(TESTED_KERAS)}) with TensorFlow "
         f"{describe_releases(SUPPORTED_BACKENDS['tensorflow'])}, JAX "
         f"{describe_releases(SUPPORTED_BACKENDS['jax'])} or torch "
         f"{describe_releases(SUPPORTED_BACKENDS['torch'])}; installed: {'; '.join(outside)}. "
         f"Install a supported release (pip install 'keras>={SUPPORTED_KERAS[0]},"
-        f"<{_next_minor(SUPPORTED_KERAS[-1])}') or set {ALLOW_UNTESTED_ENV}=1 to try anyway."
+        f"<{next_minor(SUPPORTED_KERAS[-1])}') or set {ALLOW_UNTESTED_ENV}=1 to try anyway."
     )
 
 
-def _next_minor(series: str) -> str:
+def next_minor(series: str) -> str:
+    """`"3.15"` -> `"3.16"`: the first release outside a range ending at `series`."""
     major, minor = series.split(".")
     return f"{major}.{int(minor) + 1}"
 
@@ -197,20 +203,24 @@ def serves_installed_keras(keras_versions: tuple[str, ...]) -> bool:
 
 
 class KerasHas:
-    """A feature test for `Patch.applies`: does this Keras have `"module:Owner.attribute"`?
+    """A feature test for `Patch.applies`: does this Keras have the target (a `keras_api`
+    `Target`, or `"module:Owner.attribute"` for other libraries)?
 
     Example:
 
-    >>> KerasHas("keras.src.trainers.epoch_iterator:EpochIterator")()
-    True
-    >>> KerasHas("keras.src.no_such_module:Thing")(), str(KerasHas("json:dumps"))
+    >>> from keras_mwms.backends.keras_api import targets
+    >>> KerasHas(targets.EPOCH_ITERATOR_ENUMERATE)(), str(KerasHas(targets.TRAINER_FIT))
+    (True, '`trainer.fit` exists')
+    >>> KerasHas("json:no_such_function")(), str(KerasHas("json:dumps"))
     (False, '`json:dumps` exists')
     """
 
-    def __init__(self, target: str):
+    def __init__(self, target: Target | str):
         self.target = target
 
     def __call__(self) -> bool:
+        if isinstance(self.target, Target):
+            return self.target.exists()
         module_name, _, path = self.target.partition(":")
         try:
             owner: Any = importlib.import_module(module_name)
@@ -239,10 +249,11 @@ class Patch:
 
     Args:
         name: a short unique name, used in errors and in ARCHITECTURE.md's table.
-        target: `"module:Owner.attribute"` (or `"module:function"`), or the owner object itself
-            when `attribute` is given.
+        target: a `keras_api` `Target` (private Keras), `"module:Owner.attribute"` (or
+            `"module:function"`, other libraries), or the owner object itself when `attribute`
+            is given.
         attribute: the attribute of an owner object given as `target`; None when `target` is a
-            string naming the attribute last.
+            `Target` or a string naming the attribute last.
         replacement: `original -> replacement`; wrappers forward `*args, **kwargs`.
         works_around: the upstream issue or the Keras behaviour the patch corrects.
         keras_versions: the Keras minor releases the row serves (default: all of
@@ -267,9 +278,10 @@ class Patch:
         return serves_installed_keras(self.keras_versions) and (self.applies is None or self.applies())
 
     def location(self) -> str:
-        """`module:Owner.attribute`, as written in the table."""
-        if isinstance(self.target, str):
-            return self.target
+        """`anchor.attribute` for a Keras target, else `module:Owner.attribute`, as written in
+        the table (the same text on every Keras release)."""
+        if isinstance(self.target, (str, Target)):
+            return str(self.target)
         if isinstance(self.target, (type, types.ModuleType)):
             owner = getattr(self.target, "__qualname__", self.target.__name__)
             return f"{getattr(self.target, '__module__', self.target.__name__)}:{owner}.{self.attribute}"
@@ -278,6 +290,8 @@ class Patch:
 
     def resolve(self) -> tuple[Any, str]:
         """The owner object and attribute name this row patches (imports the module)."""
+        if isinstance(self.target, Target):
+            return self.target.resolve()
         if not isinstance(self.target, str):
             return self.target, self.attribute
         module_name, _, path = self.target.partition(":")
@@ -404,7 +418,8 @@ def _plan(row: Patch) -> tuple[Any, str, Any, Any]:
     except (ImportError, AttributeError):
         raw = _MISSING
     if raw is _MISSING:
-        raise RuntimeError(f"keras_mwms patch {row.name!r}: {row.location()} does not exist in this "
+        where = f"{row.location()} ({row.target.anchor.found_as})" if isinstance(row.target, Target) else row.location()
+        raise RuntimeError(f"keras_mwms patch {row.name!r}: {where} does not exist in this "
                            f"Keras release ({installed_version('keras')}); install a tested Keras "
                            f"({', '.join(TESTED_KERAS)}).")
     original = getattr(owner, attribute)

@@ -44,6 +44,7 @@ import numpy as np
 
 from keras_mwms import diagnostics
 from keras_mwms.advice import advice_for
+from keras_mwms.backends.keras_api import attributes
 from keras_mwms.errors import WorkerLostError
 
 # -- nests --------------------------------------------------------------------------------
@@ -326,7 +327,7 @@ def float16_gradients(model: Any, variables: list | None = None) -> list[bool]:
     [True, False]
     """
     in_float16 = set()
-    for layer in model._flatten_layers(include_self=True):
+    for layer in attributes.flatten_layers(model, include_self=True):
         if getattr(layer, "compute_dtype", None) != "float16":
             continue
         for variable in getattr(layer, "_trainable_variables", []):

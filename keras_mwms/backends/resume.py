@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 
+from keras_mwms.backends.keras_api import targets
 from keras_mwms.backends.patches import Patch, PatchTable
 
 _pending = threading.local()
@@ -60,7 +61,7 @@ def _skipping_enumerate_iterator(original):
 
 PATCHES = PatchTable("resume", [Patch(
     name="resume-mid-epoch",
-    target="keras.src.trainers.epoch_iterator:EpochIterator._enumerate_iterator",
+    target=targets.EPOCH_ITERATOR_ENUMERATE,
     replacement=_skipping_enumerate_iterator,
     works_around="Keras' BackupAndRestore records the batch but restores only the epoch, and "
                  "EpochIterator has no hook to skip trained steps",

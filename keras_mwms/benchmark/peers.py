@@ -43,14 +43,15 @@ def tensorflow_native_strategy(workers: int):
     if workers == 1:
         return None
     import tensorflow as tf
-    from keras.src.backend.tensorflow import trainer as tensorflow_trainer
 
+    from keras_mwms.backends.keras_api import targets
     from keras_mwms.backends.tensorflow import patches
 
     # Only the two Keras 3.15.1 crash fixes (keras-team/keras#20585), none of keras_mwms' wrappers.
-    tensorflow_trainer.TensorFlowTrainer._maybe_symbolic_build = patches._maybe_symbolic_build
-    tensorflow_trainer.reduce_per_replica = patches._make_reduce_per_replica(
-        tensorflow_trainer.reduce_per_replica)
+    owner, attribute = targets.TF_MAYBE_SYMBOLIC_BUILD.resolve()
+    setattr(owner, attribute, patches._maybe_symbolic_build)
+    owner, attribute = targets.TF_REDUCE_PER_REPLICA.resolve()
+    setattr(owner, attribute, patches._make_reduce_per_replica(getattr(owner, attribute)))
     return tf.distribute.MultiWorkerMirroredStrategy()
 
 

@@ -63,8 +63,8 @@ def worker_aware(callbacks: Any) -> list:
     >>> import keras
     >>> logger, stopper = keras.callbacks.CSVLogger("log.csv"), keras.callbacks.EarlyStopping()
     >>> aware = worker_aware([logger, [stopper]])
-    >>> [type(callback).__module__ for callback in aware]
-    ['keras_mwms.callbacks.csv_logger', 'keras.src.callbacks.early_stopping']
+    >>> [type(callback).__module__.startswith("keras_mwms.") for callback in aware]
+    [True, False]
     """
     return [worker_aware_callback(callback) for callback in keras.tree.flatten(callbacks)]
 

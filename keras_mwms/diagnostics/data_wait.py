@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from keras_mwms.backends.keras_api import targets
 from keras_mwms.backends.patches import Patch
 from keras_mwms.diagnostics.ledger import LEDGER, Ledger
 
@@ -49,7 +50,7 @@ def _timed_get_iterator(original: Callable) -> Callable:
 
 PATCH = Patch(
     name="ledger-data-wait",
-    target="keras.src.trainers.data_adapters.py_dataset_adapter:PyDatasetAdapter._get_iterator",
+    target=targets.PY_DATASET_GET_ITERATOR,
     replacement=_timed_get_iterator,
     works_around="Keras has no hook around making a batch: the hang report and the straggler "
                  "table need the time each worker waits for its input pipeline",

@@ -20,10 +20,9 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+from keras_mwms.backends.keras_api import targets
 from keras_mwms.backends.patches import Patch
 from keras_mwms.diagnostics.ledger import LEDGER, Ledger
-
-_CALLBACK_LIST = "keras.src.callbacks.callback_list:CallbackList"
 
 
 def _opened(ledger: Ledger = LEDGER) -> None:
@@ -50,7 +49,9 @@ _WHY = ("Keras has no hook telling whether a fit/evaluate loop ended normally: a
         "left mid-loop by an error must not announce leaving between calls (its peers learn of a "
         "lost worker instead of a call made on some workers only)")
 
-PATCHES = [Patch(name=f"ledger-{method.replace('_', '-')}", target=f"{_CALLBACK_LIST}.{method}",
+PATCHES = [Patch(name=f"ledger-{str(target).rpartition('.')[2].replace('_', '-')}", target=target,
                  replacement=_counting(change), works_around=_WHY)
-           for method, change in (("on_train_begin", _opened), ("on_train_end", _closed),
-                                  ("on_test_begin", _opened), ("on_test_end", _closed))]
+           for target, change in ((targets.CALLBACK_LIST_ON_TRAIN_BEGIN, _opened),
+                                  (targets.CALLBACK_LIST_ON_TRAIN_END, _closed),
+                                  (targets.CALLBACK_LIST_ON_TEST_BEGIN, _opened),
+                                  (targets.CALLBACK_LIST_ON_TEST_END, _closed))]

@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from keras_mwms.backends.keras_api import targets
 from keras_mwms.backends.patches import Patch
 from keras_mwms.diagnostics.ledger import LEDGER
 
@@ -177,7 +178,7 @@ def _reporting_on_epoch_end(original: Callable) -> Callable:
 
 PATCH = Patch(
     name="ledger-epoch-report",
-    target="keras.src.callbacks.callback_list:CallbackList.on_epoch_end",
+    target=targets.CALLBACK_LIST_ON_EPOCH_END,
     replacement=_reporting_on_epoch_end,
     works_around="Keras has no framework-level epoch-end hook outside the user's callbacks: the "
                  "chief's straggler report must exist before they (our TensorBoard) run",

@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from keras_mwms.backends.keras_api import internals
+
 
 class GlobalBatchSource:
     """Iterates one epoch of global batches as numpy structures packed as Keras packs them:
@@ -112,7 +114,7 @@ class GlobalArrayPlacer:
 
     def place(self, batch: Any) -> Any:
         import jax
-        from keras.src import tree
+        from keras import tree
 
         leaves = [leaf for leaf in tree.flatten(batch) if leaf is not None]
         rows = int(np.shape(leaves[0])[0]) if leaves else 0
@@ -134,7 +136,7 @@ class GlobalArrayPlacer:
     def place_local_part(self, batch: Any) -> Any:
         """Global arrays from this worker's own part of the step (every worker: equal rows)."""
         import jax
-        from keras.src import tree
+        from keras import tree
 
         def place_leaf(leaf):
             if leaf is None:
@@ -171,7 +173,7 @@ class LocalRowsPlacer:
         self._global_batch_size = global_batch_size or 0
 
     def place(self, batch: Any) -> Any:
-        from keras.src import tree
+        from keras import tree
 
         from keras_mwms.data import replica_slices
 
@@ -214,9 +216,7 @@ class LocalPartSource(GlobalBatchSource):
 
 def make_global_batch_adapter(source: GlobalBatchSource, placer: Any):
     """A Keras `DataAdapter` yielding `placer`-placed global batches of `source`."""
-    from keras.src.trainers.data_adapters.data_adapter import DataAdapter
-
-    class GlobalBatchAdapter(DataAdapter):
+    class GlobalBatchAdapter(internals.data_adapter_class()):
         """Feeds Keras' JAX trainer global arrays built by keras_mwms (one global batch a step)."""
 
         def __init__(self):
@@ -266,9 +266,7 @@ def make_source(x: Any, y: Any, sample_weight: Any, batch_size: int | None, step
                 shuffle: bool | str, class_weight: dict | None) -> GlobalBatchSource:
     """The `GlobalBatchSource` for whatever the user passed to fit/evaluate/predict: Keras' own
     adapter, so batches, packing and shuffled order are plain Keras' (see `shuffles_globally`)."""
-    from keras.src.trainers.data_adapters import get_data_adapter
-
-    adapter = get_data_adapter(x, y, sample_weight, batch_size, steps, shuffle, class_weight)
+    adapter = internals.get_data_adapter(x, y, sample_weight, batch_size, steps, shuffle, class_weight)
     return AdapterSource(adapter, local_parts=shard_policy_is_off(x))
 
 
@@ -282,10 +280,9 @@ def shuffles_globally(x: Any, y: Any = None, sample_weight: Any = None) -> bool:
     >>> shuffles_globally(np.zeros((4, 2)), np.zeros(4)), shuffles_globally(iter([]))
     (True, False)
     """
-    from keras.src.trainers.data_adapters import array_data_adapter
     from keras.utils import PyDataset
 
-    return isinstance(x, PyDataset) or array_data_adapter.can_convert_arrays((x, y, sample_weight))
+    return isinstance(x, PyDataset) or internals.can_convert_arrays((x, y, sample_weight))
 
 
 def shard_policy_is_off(x: Any) -> bool:
@@ -301,7 +298,7 @@ def shard_policy_is_off(x: Any) -> bool:
 
 def split_local_replicas(batch: Any, replicas_per_worker: int) -> list[Any]:
     """Splits this worker's batch into contiguous per-replica parts (first parts one row longer)."""
-    from keras.src import tree
+    from keras import tree
 
     from keras_mwms.data import replica_slices
 
@@ -344,9 +341,7 @@ def adapter_for(backend: Any, path: str, x: Any, y: Any = None, sample_weight: A
     A `DataAdapter` passes through (fit's validation reuses its own); a `DistributedDataset`
     feeds this worker's parts; anything else goes through Keras' own adapter first.
     """
-    from keras.src.trainers.data_adapters.data_adapter import DataAdapter
-
-    if isinstance(x, DataAdapter):
+    if internals.is_data_adapter(x):
         return x
     if isinstance(x, DistributedDataset):
         source: GlobalBatchSource = LocalPartSource(x)

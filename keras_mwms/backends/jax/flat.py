@@ -50,6 +50,7 @@ import numpy as np
 
 from keras_mwms.backends import policy
 from keras_mwms.backends.compression import WIRE, wire_dtype
+from keras_mwms.backends.keras_api import attributes, internals
 from keras_mwms.diagnostics import LEDGER
 
 FLAT = "flat"
@@ -170,10 +171,10 @@ def assign_values(variables: list, values: list[np.ndarray]) -> None:
     import jax
 
     for variable, value in zip(variables, values):
-        current = variable._value
+        current = attributes.variable_value(variable)
         if isinstance(current, jax.Array) and not current.is_fully_addressable:
-            variable._value = jax.make_array_from_callback(
-                value.shape, current.sharding, lambda index, value=value: value[index])
+            attributes.set_variable_value(variable, jax.make_array_from_callback(
+                value.shape, current.sharding, lambda index, value=value: value[index]))
         else:
             variable.assign(value)
 
@@ -218,12 +219,11 @@ def can_run_flat(model, options: Any = None) -> str | None:
     per-worker statistics (`CommunicationOptions.batch_norm_statistics="per_worker"`), which
     the flat path gives, with moving statistics averaged across workers.
     """
-    from keras.src.backend.jax.trainer import JAXTrainer
-    from keras.src.layers import BatchNormalization
+    from keras.layers import BatchNormalization
 
-    if type(model).train_step is not JAXTrainer.train_step:
+    if not internals.keras_own_train_step(model):
         return "it overrides train_step"
-    for layer in model._flatten_layers(include_self=False):
+    for layer in attributes.flatten_layers(model):
         if isinstance(layer, BatchNormalization) and (
                 options is None or policy.global_batch_norm_moments(layer, options)):
             return "BatchNormalization needs global batch statistics"
@@ -231,10 +231,10 @@ def can_run_flat(model, options: Any = None) -> str | None:
 
 
 def _batch_norm_statistics_indices(model) -> list[int]:
-    from keras.src.layers import BatchNormalization
+    from keras.layers import BatchNormalization
 
     wanted = set()
-    for layer in model._flatten_layers(include_self=False):
+    for layer in attributes.flatten_layers(model):
         if isinstance(layer, BatchNormalization) and layer.trainable:
             wanted |= {id(layer.moving_mean), id(layer.moving_variance)}
     return [i for i, variable in enumerate(model.non_trainable_variables) if id(variable) in wanted]
@@ -258,8 +258,6 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
     """
     import jax
     import jax.numpy as jnp
-    from keras.src.trainers.data_adapters import data_adapter_utils
-
     optimizer = model.optimizer
     statistics = _batch_norm_statistics_indices(model)
     # Metric states summed across workers ride in the gradient all-reduce (batch logs are then
@@ -278,7 +276,7 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
     # Under a LossScaleOptimizer each worker differentiates 1 / workers of its shard's mean loss:
     # per row, the float16 values of the scaled backward are then one process's, so a step
     # overflows (and is skipped) at the loss scale one process's does. Undone on the gradients.
-    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+    from keras.optimizers import LossScaleOptimizer
 
     scaled_loss = isinstance(optimizer, LossScaleOptimizer)
     share = 1.0 / jax.process_count() if scaled_loss else 1.0
@@ -376,7 +374,7 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
 
     def global_results(global_metrics):
         """Metric results from the all-worker state (the local state itself stays local)."""
-        from keras.src.backend.common.stateless_scope import StatelessScope
+        from keras import StatelessScope
 
         with StatelessScope(state_mapping=list(zip(model.metrics_variables, global_metrics))):
             return model.get_metrics_result()
@@ -429,7 +427,7 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
 
     def local_step(state, data):
         trainable, non_trainable, optimizer_variables, metrics = state
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = internals.unpack_x_y_sample_weight(data)
         rows = policy.rows_of(x)
         if rows == 0:   # no rows of a short last batch: one zero-weight row joins the collectives
             x, y, sample_weight = policy.dummy_row(x), policy.dummy_row(y), np.zeros((1,), np.float32)

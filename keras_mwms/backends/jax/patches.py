@@ -56,11 +56,10 @@ import numpy as np
 from keras_mwms import active, resumable_inputs
 from keras_mwms.backends import model_scope, policy
 from keras_mwms.backends.jax import data, flat
+from keras_mwms.backends.keras_api import attributes, internals, targets
 from keras_mwms.backends.patches import Patch, PatchTable
 from keras_mwms.data import first_batch_digest
 from keras_mwms.diagnostics.ledger import counted_in_graph
-
-_TRAINER = "keras.src.backend.jax.trainer:JAXTrainer."
 
 
 def _backend():
@@ -79,10 +78,9 @@ def _local_replicated_arrays(original):
         """A replicated global array built from this worker's value, with no communication."""
         import jax
         from jax.sharding import NamedSharding
-        from keras.src.distribution import TensorLayout
-        from keras.src.utils import jax_utils
+        from keras.distribution import TensorLayout
 
-        if _several_workers() is None or jax_utils.is_in_jax_tracing_scope(tensor):
+        if _several_workers() is None or internals.is_in_jax_tracing_scope(tensor):
             return original(tensor, layout)
         if isinstance(tensor, jax.Array) and isinstance(tensor.sharding, NamedSharding):
             return original(tensor, layout)
@@ -102,12 +100,9 @@ def _noting_new_variables(original):
         backend = _several_workers()
         if backend is not None:
             import jax
-            from keras.src.backend.common.stateless_scope import in_stateless_scope
-            from keras.src.utils import jax_utils
-
-            current = self._value
-            if (isinstance(current, jax.Array) and not in_stateless_scope()
-                    and not jax_utils.is_in_jax_tracing_scope(current)):
+            current = attributes.variable_value(self)
+            if (isinstance(current, jax.Array) and not internals.in_stateless_scope()
+                    and not internals.is_in_jax_tracing_scope(current)):
                 backend.note_new_variable(self)
         return result
 
@@ -121,7 +116,7 @@ def _arrays_pass_through(original):
     def distribute_data(data_, *args, **kwargs):
         import jax
         from jax.sharding import NamedSharding
-        from keras.src import tree
+        from keras import tree
 
         leaves = [leaf for leaf in tree.flatten(data_) if leaf is not None]
         if leaves and all(isinstance(leaf, jax.Array) and isinstance(leaf.sharding, NamedSharding)
@@ -160,8 +155,6 @@ def _with_named_arguments(body):
 
 @_with_named_arguments
 def _fit_global_batches(model, backend, values, call):
-    from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
-
     model_scope.require_created_in_scope(backend, model, "fit")
     x, y, sample_weight = values["x"], values["y"], values["sample_weight"]
     backend.check_tf_config_unchanged(stacklevel=3)
@@ -171,14 +164,14 @@ def _fit_global_batches(model, backend, values, call):
     x, y, sample_weight = values["x"], values["y"], values["sample_weight"]
     validation_data = values["validation_data"]
     if values["validation_split"] and validation_data is None:
-        (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
-            (x, y, sample_weight), validation_split=values["validation_split"])
+        (x, y, sample_weight), validation_data = internals.train_validation_split(
+            (x, y, sample_weight), values["validation_split"])
     path = backend.model_path(model)
     backend.models.of(model).synced = False   # the state is broadcast at this fit
     train = data.adapter_for(backend, path, x, y, sample_weight, values["batch_size"],
                              values["steps_per_epoch"], values["shuffle"], values["class_weight"])
     if validation_data is not None:
-        val_x, val_y, val_sample_weight = data_adapter_utils.unpack_x_y_sample_weight(validation_data)
+        val_x, val_y, val_sample_weight = internals.unpack_x_y_sample_weight(validation_data)
         validation_data = (data.adapter_for(
             backend, path, val_x, val_y, val_sample_weight,
             values["validation_batch_size"] or values["batch_size"], values["validation_steps"]),)
@@ -226,11 +219,12 @@ def _make_variables_global(backend, model) -> None:
     replicated = NamedSharding(backend.mesh, PartitionSpec())
     device = jax.local_devices()[0]
     for variable in flat.model_state_variables(model):
-        value = variable._value
+        value = attributes.variable_value(variable)
         if isinstance(value, jax.Array) and isinstance(value.sharding, NamedSharding):
             continue
         local = jax.device_put(value, device)
-        variable._value = jax.make_array_from_single_device_arrays(local.shape, replicated, [local])
+        attributes.set_variable_value(
+            variable, jax.make_array_from_single_device_arrays(local.shape, replicated, [local]))
 
 
 # -- local predict ------------------------------------------------------------------------
@@ -289,14 +283,14 @@ def _predict_local_function(original):
 @contextlib.contextmanager
 def _without_distribution():
     """No Keras distribution for the call: data stays this worker's numpy batches."""
-    from keras.src.distribution import distribution_lib
+    import keras
 
-    previous = distribution_lib.distribution()
-    distribution_lib.set_distribution(None)
+    previous = keras.distribution.distribution()
+    keras.distribution.set_distribution(None)
     try:
         yield
     finally:
-        distribution_lib.set_distribution(previous)
+        keras.distribution.set_distribution(previous)
 
 
 # -- flat step ----------------------------------------------------------------------------
@@ -391,17 +385,15 @@ def _global_metrics(original):
 
 
 def unpatched(method_name: str):
-    """Keras' own `JAXTrainer.<method_name>`, also while the table is installed (for the
-    benchmark's plain-Keras peer).
+    """Keras' own trainer's `<method_name>` (`JAXTrainer`'s), also while the table is
+    installed (for the benchmark's plain-Keras peer).
 
     Example:
 
     >>> unpatched("fit").__name__
     'fit'
     """
-    from keras.src.backend.jax.trainer import JAXTrainer
-
-    method = getattr(JAXTrainer, method_name)
+    method = getattr(internals.trainer_class(), method_name)
     return method.__wrapped__ if PATCHES.installed and hasattr(method, "__wrapped__") else method
 
 
@@ -410,42 +402,42 @@ _FIT_PARAMETERS = ("x", "y", "batch_size", "verbose", "validation_split", "valid
                    "validation_batch_size")
 
 PATCHES = PatchTable("jax", [
-    Patch("local-replicated-arrays", "keras.src.backend.jax.distribution_lib:distribute_tensor",
+    Patch("local-replicated-arrays", targets.JAX_DISTRIBUTE_TENSOR,
           _local_replicated_arrays, parameters=("tensor", "layout"),
           works_around="jax.device_put of a replicated variable across processes asserts equal "
                        "values (a collective): a worker creating a variable alone hangs or aborts"),
-    Patch("note-new-variable", "keras.src.backend.jax.core:JaxVariable._initialize",
+    Patch("note-new-variable", targets.VARIABLE_INITIALIZE,
           _noting_new_variables, parameters=("value",),
           works_around="no hook when a variable is created: those created in strategy.scope() "
                        "must take the chief's values at its exit"),
     Patch("note-new-variable-initializer",
-          "keras.src.backend.jax.core:JaxVariable._initialize_with_initializer",
+          targets.VARIABLE_INITIALIZE_WITH_INITIALIZER,
           _noting_new_variables, parameters=("initializer",),
           works_around="the same for variables created from an initializer"),
-    Patch("arrays-pass-through", "keras.src.backend.jax.trainer:_distribute_data",
+    Patch("arrays-pass-through", targets.JAX_DISTRIBUTE_DATA,
           _arrays_pass_through, parameters=("data",),
           works_around="Keras re-distributes batches keras_mwms already placed as global arrays"),
-    Patch("fit-global-batches", _TRAINER + "fit", _fit_global_batches, parameters=_FIT_PARAMETERS,
+    Patch("fit-global-batches", targets.TRAINER_FIT, _fit_global_batches, parameters=_FIT_PARAMETERS,
           works_around="multi-process fit refuses numpy input, hangs on uneven shards and crashes "
                        "on a partial last batch (auto-sharding needs equal local shapes)"),
-    Patch("evaluate-global-batches", _TRAINER + "evaluate", _evaluate_global_batches,
+    Patch("evaluate-global-batches", targets.TRAINER_EVALUATE, _evaluate_global_batches,
           parameters=("x", "y", "batch_size", "verbose", "sample_weight", "steps"),
           works_around="the same for evaluate; fit's validation reuses its cached adapter"),
-    Patch("predict-local", _TRAINER + "predict", _predict_local,
+    Patch("predict-local", targets.TRAINER_PREDICT, _predict_local,
           parameters=("x", "batch_size", "verbose", "steps"),
           works_around="predict fails with 'Fetching value for jax.Array that spans "
                        "non-addressable devices' and would enter collectives one worker may skip"),
-    Patch("predict-local-function", _TRAINER + "make_predict_function", _predict_local_function,
+    Patch("predict-local-function", targets.TRAINER_MAKE_PREDICT_FUNCTION, _predict_local_function,
           parameters=("force",), works_around="the same: a local jitted predict step on one device"),
-    Patch("flat-train-step", _TRAINER + "make_train_function",
+    Patch("flat-train-step", targets.TRAINER_MAKE_TRAIN_FUNCTION,
           _flat_function("train_function", _flat_train_step),
           parameters=("force",),
           works_around="XLA's fused gradient all-reduce is 1.4-6x slower than one flat all-reduce "
                        "on CPU gloo; variables set on one worker alone would drift into training"),
-    Patch("flat-test-step", _TRAINER + "make_test_function",
+    Patch("flat-test-step", targets.TRAINER_MAKE_TEST_FUNCTION,
           _flat_function("test_function", _flat_test_step),
           parameters=("force",), works_around="the flat path's evaluate: a worker may have no rows"),
-    Patch("global-metrics", _TRAINER + "_get_metrics_result_or_logs", _global_metrics,
+    Patch("global-metrics", targets.TRAINER_METRICS_RESULT_OR_LOGS, _global_metrics,
           parameters=("logs",), works_around="flat-path metric results must come from every "
                                               "worker's state, not this worker's rows"),
 ])

@@ -131,7 +131,7 @@ def distribute_dataset(backend: Any, dataset: Any) -> DistributedDataset:
     replicas in rank order, as `keras_mwms.data.replica_slices` says.
     """
     workers, index, replicas = backend.num_workers, backend.worker_index, backend.replicas_per_worker
-    from keras.src import tree
+    from keras import tree
 
     def local_part(batch, global_rows):
         leaves = [leaf for leaf in tree.flatten(batch) if leaf is not None]
@@ -176,7 +176,7 @@ def concatenate_replicas(value: Any) -> Any:
     """This worker's batch of a step: its replicas' parts concatenated (what `fit` consumes)."""
     if not isinstance(value, PerReplica):
         return value
-    from keras.src import tree
+    from keras import tree
 
     return tree.map_structure(lambda *parts: np.concatenate([np.asarray(p) for p in parts]),
                               *value.values)

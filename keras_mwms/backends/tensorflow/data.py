@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from keras_mwms.backends.keras_api import attributes, internals
 from keras_mwms.backends.patches import ObjectState
 from keras_mwms.data import replica_slices
 from keras_mwms.diagnostics.ledger import LEDGER
@@ -143,16 +144,12 @@ def batch_without_iterating(adapter: Any) -> Any:
     >>> batch_without_iterating(None) is None
     True
     """
-    from keras.src.trainers.data_adapters.generator_data_adapter import GeneratorDataAdapter
-    from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
-    from keras.src.trainers.data_adapters.tf_dataset_adapter import TFDatasetAdapter
-
-    if isinstance(adapter, GeneratorDataAdapter):
+    if isinstance(adapter, internals.generator_adapter_class()):
         return adapter._first_batches[0]
-    if isinstance(adapter, PyDatasetAdapter):
+    if isinstance(adapter, internals.py_dataset_adapter_class()):
         batch = adapter.py_dataset[0]
         return batch if isinstance(batch, tuple) else (batch,)
-    if isinstance(adapter, TFDatasetAdapter):
+    if isinstance(adapter, internals.tf_dataset_adapter_class()):
         # A new iterator of a dataset shuffled with `reshuffle_each_iteration` advances its
         # seed: training would start at the *second* shuffle order. The element spec has the
         # shapes and dtypes the build needs.
@@ -319,12 +316,12 @@ def pydataset_read_by_index(original: Callable) -> Callable:
     Example (a PyDataset `fit` did not mark keeps Keras' dataset, its batches copied in the graph):
 
     >>> import keras, numpy as np, tensorflow as tf
-    >>> from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
+    >>> from keras_mwms.backends.keras_api.internals import py_dataset_adapter_class
     >>> class Batches(keras.utils.PyDataset):
     ...     def __len__(self): return 2
     ...     def __getitem__(self, index): return np.ones((2, 3), "float32"), np.zeros(2, "float32")
     >>> get_tf_dataset = pydataset_read_by_index(lambda adapter: tf.data.Dataset.range(2))
-    >>> [int(value) for value in get_tf_dataset(PyDatasetAdapter(Batches()))]
+    >>> [int(value) for value in get_tf_dataset(py_dataset_adapter_class()(Batches()))]
     [0, 1]
     """
     @functools.wraps(original)
@@ -426,7 +423,7 @@ def feed_one_replica_undistributed(backend: Any) -> Callable[[Callable], Callabl
             if not one_replica:
                 return original(iterator, distribute_strategy, *args, **kwargs)
             original(iterator, _KeepDataset(), *args, **kwargs)
-            iterator._distribute_strategy = distribute_strategy
+            attributes.set_distribute_strategy(iterator, distribute_strategy)
 
         return __init__
 

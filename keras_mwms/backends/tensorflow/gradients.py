@@ -53,6 +53,7 @@ from typing import Any
 
 from keras_mwms.backends import policy
 from keras_mwms.backends.compression import WIRE, wire_dtype
+from keras_mwms.backends.keras_api import internals
 from keras_mwms.backends.tensorflow.accumulation import (
     accumulate_or_apply,
     accumulates_locally,
@@ -87,11 +88,7 @@ def keras_own_steps(model: Any) -> bool:
     >>> keras_own_steps(Custom())
     False
     """
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    kind = type(model)
-    return (model is not None and kind.train_step is TensorFlowTrainer.train_step
-            and kind.test_step is TensorFlowTrainer.test_step)
+    return model is not None and internals.keras_own_train_step(model) and internals.keras_own_test_step(model)
 
 
 def _wires(compression: str | None, values: list) -> list:
@@ -169,7 +166,7 @@ class RowWeighting:
 
     def _loss_scaled(self) -> bool:
         """Whether the innermost Keras loop's model trains with a LossScaleOptimizer."""
-        from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+        from keras.optimizers import LossScaleOptimizer
 
         return isinstance(getattr(self._loop_model(), "optimizer", None), LossScaleOptimizer)
 

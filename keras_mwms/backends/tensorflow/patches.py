@@ -15,7 +15,7 @@ Example (the rows, without installing anything):
 >>> [row.name for row in table][:3]
 ['tf-symbolic-build-per-leaf', 'tf-reduce-per-replica-scalar-axis', 'tf-fit-wrapper']
 >>> print(table.markdown().splitlines()[2])  # doctest: +ELLIPSIS
-| `tf-symbolic-build-per-leaf` | `keras.src.backend.tensorflow.trainer:TensorFlowTrainer._maybe_symbolic_build` | ...
+| `tf-symbolic-build-per-leaf` | `trainer._maybe_symbolic_build` | ...
 """
 
 from __future__ import annotations
@@ -25,15 +25,14 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import keras
+
 from keras_mwms import active
 from keras_mwms.backends import policy
+from keras_mwms.backends.keras_api import attributes, internals, targets
 from keras_mwms.backends.patches import ANY_KERAS, Patch, PatchTable
 from keras_mwms.backends.tensorflow import batch_norm, data, trainer
 from keras_mwms.diagnostics.ledger import counted_in_graph
-
-_TRAINER = "keras.src.backend.tensorflow.trainer"
-_BATCH_NORM = "keras.src.layers.normalization.batch_normalization:BatchNormalization"
-
 
 # -- Keras 3.15.1 crash repairs (keras-team/keras#20585) ----------------------------------
 
@@ -47,21 +46,20 @@ def _maybe_symbolic_build(self, iterator=None, data_batch=None):
     without any collective (or one from `data.batch_without_iterating`, which consumes nothing).
     """
     import tensorflow as tf
-    from keras.src import tree
 
-    if self._distribute_strategy is None:
+    if attributes.distribute_strategy(self) is None:
         return
     if iterator is not None:
         data_batch = data.batch_without_iterating(getattr(iterator, "data_adapter", None))
     if iterator is not None and data_batch is None:
         for _, _, batches in iterator:
             batch = next(batches)
-            data_batch = tree.map_structure(
+            data_batch = keras.tree.map_structure(
                 lambda leaf: self.distribute_strategy.experimental_local_results(leaf)[0]
                 if isinstance(leaf, tf.distribute.DistributedValues) else leaf, batch)
             break
     with self.distribute_strategy.scope():
-        self._symbolic_build(data_batch=data_batch)
+        attributes.symbolic_build(self, data_batch)
 
 
 def _make_reduce_per_replica(original: Callable) -> Callable:
@@ -83,17 +81,14 @@ def _make_reduce_per_replica(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def reduce_per_replica(*args, **kwargs):
-        from keras.src import tree
-        from keras.src.backend.tensorflow import trainer as tensorflow_trainer
-
         bound = signature.bind(*args, **kwargs)
         values, strategy = bound.arguments["values"], bound.arguments["strategy"]
         reduction = bound.arguments["reduction"]
         if reduction == "auto":
             reduction = bound.arguments["reduction"] = "mean"
-        if reduction in ("mean", "sum") and tensorflow_trainer._collective_all_reduce_multi_worker(strategy):
+        if reduction in ("mean", "sum") and internals.tf_collective_multi_worker(strategy):
             operation = reduction.upper()
-            return tree.map_structure(
+            return keras.tree.map_structure(
                 lambda value: strategy.reduce(operation, value,
                                               axis=None if rank(value) == 0 or operation == "SUM" else 0),
                 values)
@@ -130,7 +125,7 @@ def _global_batch_norm_moments(original: Callable) -> Callable:
         if backend is None or values["mask"] is not None or not batch_norm.in_multi_replica_step():
             return original(self, *args, **kwargs)
         if policy.global_batch_norm_moments(self, backend.options):
-            return batch_norm.global_moments(values["inputs"], tuple(self._reduction_axes))
+            return batch_norm.global_moments(values["inputs"], tuple(attributes.batch_norm_reduction_axes(self)))
         return batch_norm.finite_when_empty(original(self, *args, **kwargs), values["inputs"])
 
     return _moments
@@ -156,48 +151,54 @@ def _shared_per_worker_statistics(original: Callable) -> Callable:
 
 # -- the table ----------------------------------------------------------------------------
 
-def patch_table(backend: Any) -> PatchTable:
-    """The TensorFlow backend's patch rows for `backend` (a joined `TensorFlowBackend`)."""
-    weighting = backend.row_weighting
+def _trainer_rows(backend: Any) -> list[Patch]:
+    """The rows on the trainer: the crash repairs and the fit/evaluate/predict wrappers."""
     rows = [
         Patch(name="tf-symbolic-build-per-leaf",
-              target=f"{_TRAINER}:TensorFlowTrainer._maybe_symbolic_build",
+              target=targets.TF_MAYBE_SYMBOLIC_BUILD,
               replacement=lambda original: _maybe_symbolic_build,
               works_around="keras-team/keras#20585, tensorflow/tensorflow#72388: Keras reduces the "
                            "whole batch nest with strategy.reduce, which a collective strategy cannot",
               parameters=("iterator", "data_batch")),
         Patch(name="tf-reduce-per-replica-scalar-axis",
-              target=f"{_TRAINER}:reduce_per_replica",
+              target=targets.TF_REDUCE_PER_REPLICA,
               replacement=_make_reduce_per_replica,
               works_around="keras-team/keras#20585: multi-worker log reduction uses axis=0 on "
                            "scalars and omits the axis for 'sum'",
               parameters=("values", "strategy", "reduction")),
     ]
-    rows += [Patch(name=f"tf-{method}-wrapper", target=f"{_TRAINER}:TensorFlowTrainer.{method}",
+    rows += [Patch(name=f"tf-{method}-wrapper", target=target,
                    replacement=trainer.trainer_method(method, backend),
                    works_around="Keras runs each worker's loop as if it were alone: progress bars, "
                                 "shuffle order, uneven inputs, AutoShardPolicy.OFF lengths, XLA "
                                 "on CPU, chief-only predict and lost peers need the whole job",
                    parameters=("x", "verbose"))
-             for method in ("fit", "evaluate", "predict")]
-    rows.append(Patch(name="tf-predict-on-batch-wrapper", target=f"{_TRAINER}:TensorFlowTrainer.predict_on_batch",
+             for method, target in (("fit", targets.TRAINER_FIT), ("evaluate", targets.TRAINER_EVALUATE),
+                                    ("predict", targets.TRAINER_PREDICT))]
+    rows.append(Patch(name="tf-predict-on-batch-wrapper", target=targets.TRAINER_PREDICT_ON_BATCH,
                       replacement=trainer.trainer_method("predict_on_batch", backend),
                       works_around="Keras runs predict_on_batch's whole batch on every replica and "
                                    "concatenates the copies: N × the rows on N workers",
                       parameters=("x",)))
-    rows += [
+    return rows
+
+
+def patch_table(backend: Any) -> PatchTable:
+    """The TensorFlow backend's patch rows for `backend` (a joined `TensorFlowBackend`)."""
+    weighting = backend.row_weighting
+    rows = _trainer_rows(backend) + [
         Patch(name="tf-row-weighted-steps", target=backend.strategy, attribute="run",
               replacement=weighting.run,
               works_around="each replica's loss is its local mean over replicas, so rows of an "
                            "unevenly split batch weigh differently than in one process",
               keras_versions=ANY_KERAS, parameters=("fn",)),
         Patch(name="tf-row-weighted-loss-scale",
-              target="keras.src.losses.loss:scale_loss_for_distribution",
+              target=targets.SCALE_LOSS_FOR_DISTRIBUTION,
               replacement=weighting.scale_loss,
               works_around="Keras scales each replica's loss by 1/replicas, not by its row share",
               parameters=("value",)),
         Patch(name="tf-row-weighted-loss-unscale",
-              target="keras.src.losses.loss:unscale_loss_for_distribution",
+              target=targets.UNSCALE_LOSS_FOR_DISTRIBUTION,
               replacement=weighting.unscale_loss,
               works_around="the logged loss must undo the row-share scaling",
               parameters=("value",)),
@@ -208,59 +209,59 @@ def patch_table(backend: Any) -> PatchTable:
                            "update runs after the one merge_call",
               parameters=("fn", "strategy")),
         Patch(name="tf-all-reduce-before-update",
-              target="keras.src.backend.tensorflow.optimizer:TFOptimizer._backend_apply_gradients",
+              target=targets.TF_BACKEND_APPLY_GRADIENTS,
               replacement=weighting.apply_after_all_reduce,
               works_around="Keras clips and accumulates each replica's partial gradient before the "
                            "all-reduce, and its tf.cond around a merge_call fails in a replica context",
               parameters=("grads", "trainable_variables")),
         Patch(name="tf-loss-scale-after-all-reduce",
-              target="keras.src.optimizers.loss_scale_optimizer:LossScaleOptimizer._tf_apply",
+              target=targets.TF_LOSS_SCALE_APPLY,
               replacement=weighting.loss_scale_after_all_reduce,
               works_around="LossScaleOptimizer checks each replica's partial gradient for inf/NaN "
                            "and all-reduces inside a tf.cond: mixed_float16 hangs across workers "
                            "in the first step",
               parameters=("grads", "trainable_variables")),
         Patch(name="tf-generator-batches-copied",
-              target="keras.src.trainers.data_adapters.generator_data_adapter:GeneratorDataAdapter.get_tf_dataset",
+              target=targets.GENERATOR_GET_TF_DATASET,
               replacement=data.copy_python_batches,
               works_around="TF wraps the NumPy batches a generator yields without copying and a "
                            "kernel may write into them: with several workers the user's arrays "
                            "(views yielded by the generator) were overwritten during fit"),
         Patch(name="tf-pydataset-read-by-index",
-              target="keras.src.trainers.data_adapters.py_dataset_adapter:PyDatasetAdapter.get_tf_dataset",
+              target=targets.PY_DATASET_GET_TF_DATASET,
               replacement=data.pydataset_read_by_index,
               works_around="Keras reads a PyDataset through one Python generator per epoch in "
                            "TF's threads; a shuffled one sometimes trained the second epoch on "
                            "other batches than one process on 2 workers, and TF may write into the "
                            "batches it yields (copied where Keras' path stays)"),
         Patch(name="tf-pydataset-order-at-epoch-begin",
-              target="keras.src.trainers.data_adapters.py_dataset_adapter:PyDatasetAdapter.on_epoch_begin",
+              target=targets.PY_DATASET_ON_EPOCH_BEGIN,
               replacement=data.pydataset_order_at_epoch_begin,
               works_around="the epoch's batch order of a PyDataset read by index, drawn on the "
                            "main thread with Python's random as Keras draws it"),
         Patch(name="tf-one-replica-plain-iterator",
-              target=f"{_TRAINER}:TFEpochIterator.__init__",
+              target=targets.TF_EPOCH_ITERATOR_INIT,
               replacement=data.feed_one_replica_undistributed(backend),
               works_around="one worker with one replica: Keras' distributed iterator costs Python "
                            "and a multi-device read every step for batches the plain tf.data "
                            "iterator gives unchanged",
               parameters=("distribute_strategy",)),
         Patch(name="tf-global-batch-norm-moments",
-              target=f"{_BATCH_NORM}._moments",
+              target=targets.BATCH_NORM_MOMENTS,
               replacement=_global_batch_norm_moments,
               works_around="BatchNormalization normalizes each replica over its own shard (one "
                            "process normalizes over the whole batch), and synchronized=True costs "
                            "three all-reduces per layer: one all-reduce of [sum, sum of squares, rows]",
               parameters=("inputs", "mask")),
         Patch(name="tf-batch-norm-per-worker-statistics",
-              target=f"{_BATCH_NORM}.call",
+              target=targets.BATCH_NORM_CALL,
               replacement=_shared_per_worker_statistics,
               works_around="with per-worker moments (batch_norm_statistics='per_worker') each "
                            "worker keeps its own shard's moving statistics: they are averaged "
                            "across workers, weighted by rows",
               parameters=("inputs", "training")),
         Patch(name="tf-ledger-train-step",
-              target=f"{_TRAINER}:TensorFlowTrainer.make_train_function",
+              target=targets.TRAINER_MAKE_TRAIN_FUNCTION,
               replacement=_counted_train_function,
               works_around="the train step's collectives run inside one tf.function, invisible to "
                            "the collective ledger (keras_mwms.diagnostics): each call is counted "

@@ -84,7 +84,7 @@ class TorchBackend(TorchEngine):
         return fn(*args, **(kwargs or {}))
 
     def reduce(self, reduce_op: str, value: Any, axis: int | None) -> Any:
-        from keras.src import tree
+        from keras import tree
 
         leaves = tree.flatten(value)
         tensors = [torch.as_tensor(np.asarray(leaf) if not torch.is_tensor(leaf) else leaf)

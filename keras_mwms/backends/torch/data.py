@@ -33,6 +33,7 @@ import numpy as np
 
 from keras_mwms import resumable_inputs
 from keras_mwms.backends import policy
+from keras_mwms.backends.keras_api import internals
 from keras_mwms.data import AutoShardPolicy, first_batch_digest, replica_slices, worker_row_indices
 
 if TYPE_CHECKING:
@@ -52,13 +53,11 @@ def _keras_pydataset():
 
 
 def _is_arrays(x, y, sample_weight) -> bool:
-    from keras.src.trainers.data_adapters import array_data_adapter
-
-    return x is not None and array_data_adapter.can_convert_arrays((x, y, sample_weight))
+    return x is not None and internals.can_convert_arrays((x, y, sample_weight))
 
 
 def _to_numpy(structure):
-    from keras.src import tree
+    from keras import tree
 
     def convert(leaf):
         if leaf is None:
@@ -71,7 +70,7 @@ def _to_numpy(structure):
 
 
 def _num_rows(structure) -> int:
-    from keras.src import tree
+    from keras import tree
 
     for leaf in tree.flatten(structure):
         if leaf is not None:
@@ -120,10 +119,8 @@ def _shuffling_loader(data) -> bool:
 def _make_shuffled_arrays(backend, arrays, global_batch_size, shuffle):
     """Keras' own array loader at the global batch size (its shuffle draws from torch's global
     RNG, as plain Keras does), each global batch sliced to this worker's rows."""
-    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
-
     x, y, sample_weight = arrays
-    adapter = ArrayDataAdapter(x, y, sample_weight, batch_size=global_batch_size, shuffle=shuffle)
+    adapter = internals.array_data_adapter(x, y, sample_weight, batch_size=global_batch_size, shuffle=shuffle)
     return _sliced_loader(backend, adapter.get_torch_dataloader(), global_batch_size)
 
 
@@ -144,7 +141,7 @@ def _make_sharded_arrays(backend, arrays, global_batch_size):
             return math.ceil(self.num_rows / global_batch_size)
 
         def __getitem__(self, index):
-            from keras.src import tree
+            from keras import tree
 
             rows = self.steps[index]
             picked = tree.map_structure(lambda a: None if a is None else a[rows], self.arrays)
@@ -156,7 +153,7 @@ def _make_sharded_arrays(backend, arrays, global_batch_size):
 
 
 def _slice_rows(batch, global_batch_size: int, backend: TorchEngine):
-    from keras.src import tree
+    from keras import tree
 
     rows = _num_rows(batch)
     start, stop = replica_slices(global_batch_size, backend.num_workers, rows)[backend.worker_index]
@@ -338,8 +335,6 @@ def shard_fit_inputs(backend: TorchEngine, fit: Callable, args: tuple, kwargs: d
     `fit` is Keras' own `fit` (its signature names the arguments). A shuffled input of a
     resumable fit first becomes keras_mwms' ordered stream (`keras_mwms.resumable_inputs`).
     """
-    from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
-
     values = bind_arguments(fit, args, kwargs)
     x, y, sample_weight = values["x"], values["y"], values["sample_weight"]
     if isinstance(x, Sharded):
@@ -362,11 +357,11 @@ def shard_fit_inputs(backend: TorchEngine, fit: Callable, args: tuple, kwargs: d
     if _is_arrays(x, y, sample_weight):
         x, y, sample_weight = _to_numpy((x, y, sample_weight))
         if values["class_weight"] is not None:
-            sample_weight = data_adapter_utils.class_weight_to_sample_weights(
+            sample_weight = internals.class_weight_to_sample_weights(
                 y, values["class_weight"])
         if values["validation_split"] and values["validation_data"] is None:
-            (x, y, sample_weight), values["validation_data"] = array_slicing.train_validation_split(
-                (x, y, sample_weight), validation_split=values["validation_split"])
+            (x, y, sample_weight), values["validation_data"] = internals.train_validation_split(
+                (x, y, sample_weight), values["validation_split"])
     elif values["class_weight"] is not None:
         raise ValueError("keras_mwms: class_weight is supported with array inputs only; "
                          "add sample weights to your dataset instead.")
@@ -375,7 +370,7 @@ def shard_fit_inputs(backend: TorchEngine, fit: Callable, args: tuple, kwargs: d
     validation = values["validation_data"]
     if validation is not None and not isinstance(validation, Sharded):
         if isinstance(validation, (tuple, list)):
-            val_x, val_y, val_sample_weight = data_adapter_utils.unpack_x_y_sample_weight(
+            val_x, val_y, val_sample_weight = internals.unpack_x_y_sample_weight(
                 tuple(validation))
         else:
             val_x, val_y, val_sample_weight = validation, None, None

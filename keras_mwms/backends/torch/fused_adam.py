@@ -1,6 +1,6 @@
 """Keras' Adam and AdamW update on torch without its temporaries: the same operations, bit for bit.
 
-Keras' torch Adam (`keras.src.backend.torch.optimizers.torch_adam`) updates the weights with ten
+Keras' torch Adam (what `keras.optimizers.Adam` is on torch) updates the weights with ten
 `torch._foreach_*` calls, five of which allocate a temporary as large as the model. On a CPU a
 fresh large allocation is fresh pages from the kernel (page faults on first touch), every step.
 `update` runs the same ten operations, in the same order, on the same operands, but writes the
@@ -49,6 +49,7 @@ import math
 
 import torch
 
+from keras_mwms.backends.keras_api import internals
 from keras_mwms.backends.torch.state import STATE
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -56,9 +57,7 @@ _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 def applies_to(optimizer_class) -> bool:
     """Whether `optimizer_class` is (a subclass of) Keras' torch Adam, AdamW included."""
-    from keras.src.backend.torch.optimizers.torch_adam import Adam as TorchAdam
-
-    return issubclass(optimizer_class, TorchAdam)
+    return issubclass(optimizer_class, internals.torch_adam_class())
 
 
 def eligible(optimizer, grads, keras_variables, fused_kernel: bool = False) -> bool:

@@ -29,6 +29,7 @@ import torch
 
 from keras_mwms.backends import policy
 from keras_mwms.backends.compression import WIRE, wire_dtype
+from keras_mwms.backends.keras_api import attributes
 from keras_mwms.backends.torch import accumulation, metrics
 from keras_mwms.backends.torch.state import STATE
 from keras_mwms.diagnostics import LEDGER
@@ -91,10 +92,10 @@ def unsynchronized_batch_norm_statistics(model, backend: TorchEngine) -> list:
     cached = STATE.get(model, "batch_norm_statistics")
     if cached is not None:
         return cached
-    from keras.src.layers import BatchNormalization
+    from keras.layers import BatchNormalization
 
     statistics = []
-    for layer in model._flatten_layers(include_self=False):
+    for layer in attributes.flatten_layers(model):
         if (isinstance(layer, BatchNormalization) and layer.trainable
                 and not policy.global_batch_norm_moments(layer, backend.options)):
             statistics += [layer.moving_mean, layer.moving_variance]
@@ -104,7 +105,7 @@ def unsynchronized_batch_norm_statistics(model, backend: TorchEngine) -> list:
 
 def loss_weight(backend: TorchEngine, optimizer) -> float:
     """The factor a worker's mean loss is multiplied by: its rows (÷ K under loss scaling)."""
-    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+    from keras.optimizers import LossScaleOptimizer
 
     rows = float(backend.step_rows)
     if not isinstance(optimizer, LossScaleOptimizer):
@@ -124,7 +125,7 @@ def average_gradients(backend: TorchEngine, model, grads: list, variables=None) 
     sum leaves float16's range (`policy.float16_gradients`).
     """
     averaged = averaged_over_workers(backend, model, grads, variables)
-    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+    from keras.optimizers import LossScaleOptimizer
 
     if isinstance(getattr(model, "optimizer", None), LossScaleOptimizer):
         in_float16 = policy.float16_gradients(model, None if variables is None else list(variables))

@@ -43,7 +43,7 @@ def metric_variables(model) -> list:
 
 def local_metric_results(model) -> dict:
     """`{metric.name: metric.result()}` of this worker's metric states, detached copies."""
-    from keras.src import tree
+    from keras import tree
 
     with torch.no_grad():
         return {metric.name: tree.map_structure(_detached, metric.result())
@@ -56,7 +56,7 @@ def _detached(value):
 
 def _numeric_leaves(value) -> list[torch.Tensor] | None:
     """The leaves of a log value as flat float64 tensors, or None if one is not a number."""
-    from keras.src import tree
+    from keras import tree
 
     leaves = []
     for leaf in tree.flatten(value):
@@ -121,7 +121,7 @@ def global_logs(model, backend: TorchEngine, logs, rows: int, local_results: dic
         with GlobalMetrics(model, backend):
             global_results = local_metric_results(model)
     result, position = dict(logs), 1
-    from keras.src import tree
+    from keras import tree
 
     for key, leaves in numeric.items():
         sums = reduced[position:position + len(leaves)]

@@ -35,12 +35,11 @@ from collections.abc import Callable
 
 from keras_mwms import active
 from keras_mwms.backends import model_scope, policy
+from keras_mwms.backends.keras_api import attributes, targets
 from keras_mwms.backends.patches import KerasHas, Patch, PatchTable
 from keras_mwms.backends.torch import data, fused_adam, gradients, metrics, training
 from keras_mwms.backends.torch.state import STATE, backend_of, model_of
 
-_TRAINER = "keras.src.backend.torch.trainer:TorchTrainer"
-_BATCH_NORM = "keras.src.layers.normalization.batch_normalization:BatchNormalization"
 _NO_HOOKS = "Keras' torch trainer has no distribution hooks (keras-team/keras#18870)"
 
 
@@ -146,12 +145,7 @@ def _no_keras_ddp(original: Callable) -> Callable:
 
 
 def _local_metric_results(original: Callable) -> Callable:
-    import keras
-
-    # Keras' own, undistributed results: the definition deepest in keras.Model's MRO (the base
-    # trainer's), taken before any row replaces it.
-    local = next(vars(klass)["get_metrics_result"] for klass in reversed(keras.Model.__mro__)
-                 if "get_metrics_result" in vars(klass))
+    local = targets.BASE_TRAINER_GET_METRICS_RESULT.get()   # Keras' own, undistributed results
 
     @functools.wraps(original)
     def get_metrics_result(self, *args, **kwargs):
@@ -197,7 +191,7 @@ def _global_moments(original: Callable) -> Callable:
         values = signature.bind(self, *args, **kwargs).arguments
         if values["mask"] is not None:
             return original(self, *args, **kwargs)
-        return gradients.synchronized_moments(backend, values["inputs"], tuple(self._reduction_axes))
+        return gradients.synchronized_moments(backend, values["inputs"], tuple(attributes.batch_norm_reduction_axes(self)))
 
     return _moments
 
@@ -265,73 +259,72 @@ def _adam_without_temporaries(original: Callable) -> Callable:
     return _parallel_update_step
 
 
-_OPTIMIZERS = "keras.src.optimizers"
 # Keras' torch trainer distributes by itself (new in 3.16): DDP and all-reduced metric results.
-_KERAS_DISTRIBUTES = KerasHas(f"{_TRAINER}._initialize_ddp")
+_KERAS_DISTRIBUTES = KerasHas(targets.TORCH_INITIALIZE_DDP)
 _ROWS = f"{_NO_HOOKS}: each worker's loss is weighted by its shard's rows"
 _GRADIENTS = (f"{_NO_HOOKS}: the global-batch gradient (all-reduced, divided by the global rows) "
               "before Keras clips, unscales and applies it")
 
 TABLE = PatchTable("torch", [
-    Patch("torch-fit-sharded-inputs", f"{_TRAINER}.fit", _sharded(data.shard_fit_inputs, fit=True),
+    Patch("torch-fit-sharded-inputs", targets.TRAINER_FIT, _sharded(data.shard_fit_inputs, fit=True),
           f"{_NO_HOOKS}: fit's global batches become this worker's shard; progress on the chief",
           parameters=("x", "y", "batch_size", "verbose", "sample_weight", "class_weight",
                       "validation_split", "validation_data", "validation_batch_size", "shuffle")),
-    Patch("torch-evaluate-sharded-inputs", f"{_TRAINER}.evaluate", _sharded(data.shard_evaluate_inputs),
+    Patch("torch-evaluate-sharded-inputs", targets.TRAINER_EVALUATE, _sharded(data.shard_evaluate_inputs),
           f"{_NO_HOOKS}: evaluate's global batches become this worker's shard",
           parameters=("x", "y", "batch_size", "verbose", "sample_weight")),
-    Patch("torch-predict-on-chief-output", f"{_TRAINER}.predict", _local_predict,
+    Patch("torch-predict-on-chief-output", targets.TRAINER_PREDICT, _local_predict,
           "predict on every worker prints Keras' progress bar once per worker",
           parameters=("verbose",)),
-    Patch("torch-train-function", f"{_TRAINER}.make_train_function",
+    Patch("torch-train-function", targets.TRAINER_MAKE_TRAIN_FUNCTION,
           _distributed_step(training.prepare_fit, training.wrap_train_function),
           f"{_NO_HOOKS}: the chief's variables at every fit, the distributed train step"),
-    Patch("torch-test-function", f"{_TRAINER}.make_test_function",
+    Patch("torch-test-function", targets.TRAINER_MAKE_TEST_FUNCTION,
           _distributed_step(training.prepare_evaluate, training.wrap_test_function),
           f"{_NO_HOOKS}: the chief's variables before a first evaluate, the distributed test step"),
-    Patch("torch-global-metric-results", f"{_TRAINER}._get_metrics_result_or_logs",
+    Patch("torch-global-metric-results", targets.TRAINER_METRICS_RESULT_OR_LOGS,
           _global_metric_results, f"{_NO_HOOKS}: metric results of every worker's rows",
           parameters=("logs",)),
-    Patch("torch-no-keras-ddp", f"{_TRAINER}._initialize_ddp", _no_keras_ddp,
+    Patch("torch-no-keras-ddp", targets.TORCH_INITIALIZE_DDP, _no_keras_ddp,
           "Keras 3.16 wraps the model in DistributedDataParallel whenever torch.distributed is "
           "initialized: a second gradient all-reduce per step on top of keras_mwms' (and "
           "collectives for models outside the scope)",
           applies=_KERAS_DISTRIBUTES),
-    Patch("torch-no-keras-metric-all-reduce", f"{_TRAINER}.get_metrics_result", _local_metric_results,
+    Patch("torch-no-keras-metric-all-reduce", targets.TORCH_GET_METRICS_RESULT, _local_metric_results,
           "Keras 3.16 sums every metric variable across processes in get_metrics_result (one "
           "all-reduce per variable, per step, and min/max metrics summed; TorchDynamo fails in "
           "it under jit_compile=True): results come from this worker's states, made global by "
           "keras_mwms", applies=_KERAS_DISTRIBUTES),
-    Patch("torch-synchronized-batchnorm", f"{_BATCH_NORM}.__init__", _synchronized_batch_norm,
+    Patch("torch-synchronized-batchnorm", targets.BATCH_NORM_INIT, _synchronized_batch_norm,
           "Keras refuses BatchNormalization(synchronized=True) off TensorFlow (keras-team/keras#19118)",
           parameters=("synchronized",)),
-    Patch("torch-synchronized-batchnorm-moments", f"{_BATCH_NORM}._moments", _global_moments,
+    Patch("torch-synchronized-batchnorm-moments", targets.BATCH_NORM_MOMENTS, _global_moments,
           "synchronized BatchNormalization is TensorFlow-only in Keras (keras-team/keras#19118): "
           "the moments become global sums all-reduced across workers, differentiably",
           parameters=("inputs", "mask")),
-    Patch("torch-scope-variables", "keras.src.backend.torch.core:Variable._initialize",
+    Patch("torch-scope-variables", targets.VARIABLE_INITIALIZE,
           _noted_variables, "creating a Keras variable has no hook: variables created in "
           "strategy.scope() are noted so the scope's exit sends the chief's values",
           parameters=("value",)),
-    Patch("torch-loss-weighted-by-rows", f"{_OPTIMIZERS}.base_optimizer:BaseOptimizer.scale_loss",
+    Patch("torch-loss-weighted-by-rows", targets.BASE_OPTIMIZER_SCALE_LOSS,
           _loss_weighted_by_rows, _ROWS, parameters=("loss",)),
     Patch("torch-loss-scale-optimizer-rows",
-          f"{_OPTIMIZERS}.loss_scale_optimizer:LossScaleOptimizer.scale_loss",
+          targets.LOSS_SCALE_SCALE_LOSS,
           _loss_weighted_by_rows, f"LossScaleOptimizer overrides scale_loss; {_ROWS} ÷ the "
           "fit's first global rows, so float16 values of the scaled backward are one process's",
           parameters=("loss",)),
-    Patch("torch-gradient-all-reduce", f"{_OPTIMIZERS}.base_optimizer:BaseOptimizer.apply",
+    Patch("torch-gradient-all-reduce", targets.BASE_OPTIMIZER_APPLY,
           _averaged_gradients, _GRADIENTS, parameters=("grads", "trainable_variables")),
     Patch("torch-loss-scale-optimizer-all-reduce",
-          f"{_OPTIMIZERS}.loss_scale_optimizer:LossScaleOptimizer.apply", _averaged_gradients,
+          targets.LOSS_SCALE_APPLY, _averaged_gradients,
           f"LossScaleOptimizer overrides apply; {_GRADIENTS}",
           parameters=("grads", "trainable_variables")),
-    Patch("torch-multi-optimizer-all-reduce", f"{_OPTIMIZERS}.multi_optimizer:MultiOptimizer.apply",
+    Patch("torch-multi-optimizer-all-reduce", targets.MULTI_OPTIMIZER_APPLY,
           _averaged_gradients, f"MultiOptimizer overrides apply; {_GRADIENTS}",
           parameters=("grads", "trainable_variables"), keras_versions=("3.15",),
-          applies=KerasHas(f"{_OPTIMIZERS}.multi_optimizer:MultiOptimizer")),   # new in Keras 3.15
+          applies=KerasHas(targets.MULTI_OPTIMIZER_APPLY)),   # new in Keras 3.15
     Patch("torch-adam-update",
-          "keras.src.backend.torch.optimizers.torch_adam:Adam._parallel_update_step",
+          targets.TORCH_ADAM_UPDATE,
           _adam_without_temporaries,
           "Keras' torch Adam/AdamW allocates five model-sized temporaries per update (5.4 vs 1.9 "
           "ms on the benchmark MLP): the same operations into two reused buffers, bit-identical",

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from keras_mwms.backends import policy
+from keras_mwms.backends.keras_api import internals
 from keras_mwms.backends.torch import accumulation, gradients, metrics
 from keras_mwms.backends.torch.overlap import OverlappedGradients
 from keras_mwms.backends.torch.state import STATE, model_of
@@ -102,27 +103,21 @@ def _leaves(nest) -> list:
 # -- the train step -------------------------------------------------------------------------
 def overlap_enabled(model, backend: TorchEngine) -> bool:
     """Overlap needs Keras' own eager train step: one backward, all trainable weights."""
-    from keras.src.backend.torch.trainer import TorchTrainer
-
     if not backend.options.torch_overlap:
         return False
     if policy.accumulation_steps(getattr(model, "optimizer", None)):
         return False   # micro-steps reduce no gradients (`keras_mwms.backends.torch.accumulation`)
-    return not model.jit_compile and type(model).train_step is TorchTrainer.train_step
+    return not model.jit_compile and internals.keras_own_train_step(model)
 
 
 def keras_train_step(model) -> bool:
     """Whether `model` trains with Keras' own torch `train_step`."""
-    from keras.src.backend.torch.trainer import TorchTrainer
-
-    return type(model).train_step is TorchTrainer.train_step
+    return internals.keras_own_train_step(model)
 
 
 def metrics_first_applies(model) -> bool:
     """Whether Keras' default metric update can move before backward (`train_step_metrics_first`)."""
-    from keras.src.trainers.trainer import Trainer
-
-    return type(model).compute_metrics is Trainer.compute_metrics and model.optimizer is not None
+    return internals.keras_own_compute_metrics(model) and model.optimizer is not None
 
 
 def train_step_metrics_first(model, data, rows: int) -> None:
@@ -134,10 +129,8 @@ def train_step_metrics_first(model, data, rows: int) -> None:
     (`gradients.StepExtras`), so the global batch logs need no all-reduce of their own. A worker
     whose shard of the step is empty (`rows == 0`, a dummy row) leaves its metrics untouched.
     """
-    from keras.src import tree
-    from keras.src.trainers.data_adapters import data_adapter_utils
-
-    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+    from keras import tree
+    x, y, sample_weight = internals.unpack_x_y_sample_weight(data)
     y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
     model.zero_grad()
     loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
@@ -252,9 +245,7 @@ def _distributed_train_function(model, backend: TorchEngine, train_function):
 
 
 def _distributed_test_function(model, backend: TorchEngine, test_function):
-    from keras.src.backend.torch.trainer import TorchTrainer
-
-    keras_test_step = type(model).test_step is TorchTrainer.test_step
+    keras_test_step = internals.keras_own_test_step(model)
 
     def distributed_test_function(data):
         rows = step_rows(data[0])
