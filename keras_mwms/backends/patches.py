@@ -59,9 +59,10 @@ from typing import Any
 from keras_mwms.backends.keras_api.anchors import Target
 from keras_mwms.errors import KerasVersionError
 
-SUPPORTED_KERAS = ("3.12", "3.13", "3.14", "3.15")
-"""The Keras minor releases keras_mwms supports; each was tested at its newest patch release."""
-TESTED_KERAS = ("3.12.4", "3.13.2", "3.14.1", "3.15.1")
+SUPPORTED_KERAS = ("3.12", "3.13", "3.14", "3.15", "3.16")
+"""The Keras minor releases keras_mwms supports; each was tested at its newest patch release
+(3.16, not released yet, at the keras-nightly constraints.txt pins)."""
+TESTED_KERAS = ("3.12.4", "3.13.2", "3.14.1", "3.15.1", "3.16.0.dev2026102704")
 """The releases the version smoke (`make version-smoke`) and the suite (3.15.1) run on."""
 SUPPORTED_BACKENDS = {
     "tensorflow": ("2.19", "2.20", "2.21"),
@@ -104,7 +105,7 @@ def describe_releases(series: tuple[str, ...]) -> str:
     Example:
 
     >>> describe_releases(SUPPORTED_KERAS), describe_releases(("3.15",)), describe_releases(ANY_KERAS)
-    ('3.12–3.15', '3.15', 'any')
+    ('3.12–3.16', '3.15', 'any')
     """
     if series == ANY_KERAS:
         return "any"
@@ -125,7 +126,7 @@ def installed_version(package: str) -> str | None:
 
 
 def unsupported_versions(backend: str | None = None) -> list[str]:
-    """What is installed outside the supported range: `"Keras 3.16.0.dev… (supported: 3.12–3.15)"`.
+    """What is installed outside the supported range: `"Keras 3.17.0.dev… (supported: 3.12–3.16)"`.
 
     Checks Keras, and the backend module `backend` (`"tensorflow"`, `"jax"`, `"torch"`) if given.
 

@@ -321,7 +321,7 @@ TABLE = PatchTable("torch", [
           parameters=("grads", "trainable_variables")),
     Patch("torch-multi-optimizer-all-reduce", targets.MULTI_OPTIMIZER_APPLY,
           _averaged_gradients, f"MultiOptimizer overrides apply; {_GRADIENTS}",
-          parameters=("grads", "trainable_variables"), keras_versions=("3.15",),
+          parameters=("grads", "trainable_variables"), keras_versions=("3.15", "3.16"),
           applies=KerasHas(targets.MULTI_OPTIMIZER_APPLY)),   # new in Keras 3.15
     Patch("torch-adam-update",
           targets.TORCH_ADAM_UPDATE,
