@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -c "import keras, tensorflow, jax, torch, tf_keras, ray; print('installed keras', keras.__version__, '| tensorflow', tensorflow.__version__, '| jax', jax.__version__, '| torch', torch.__version__, '| tf-keras', tf_keras.__version__, '| ray', ray.__version__)"
 	touch $(STAMP)
 
-# The suite, the version smoke (`version-smoke`, about 4 min here) and the CI benchmark
+# The suite, the version smoke (`version-smoke`, about 5 min here) and the CI benchmark
 # (`bench-quick`, under 2 min here): CI runs all three through `make test`, so its log shows the
 # compatibility table and ends with the ratio table. `$(BIN)/python -m pytest` alone runs just the suite.
 test: install
@@ -44,11 +44,12 @@ demo: install
 bench-quick: install
 	$(BIN)/python -m keras_mwms.benchmark --quick --out build/bench-quick
 
-# Every other supported Keras minor release (newest patch each) as a pure-Python overlay over
-# this venv (build/keras-overlays/, backends as pinned), and the installed one: per backend,
-# 2 workers vs one process of plain Keras, plus BackupAndRestore kill/resume on torch; prints the
-# compatibility table (scripts/version_smoke.py).
-KERAS_SMOKE ?= 3.12.4 3.13.2 3.14.1 installed
+# Every other supported Keras minor release (newest patch each; 3.16 as the keras-nightly
+# constraints.txt pins, `pinned-nightly`) as a pure-Python overlay over this venv
+# (build/keras-overlays/, backends as pinned), and the installed one: per backend, 2 workers vs
+# one process of plain Keras (SGD and Adam; on torch one all-reduce per step), plus
+# BackupAndRestore kill/resume on torch; prints the compatibility table (scripts/version_smoke.py).
+KERAS_SMOKE ?= 3.12.4 3.13.2 3.14.1 installed pinned-nightly
 version-smoke: install
 	$(BIN)/python scripts/version_smoke.py $(KERAS_SMOKE)
 

@@ -4,10 +4,13 @@ Keras is pure Python, so another release is one `pip install --no-deps --target
 build/keras-overlays/keras-<version> keras==<version>` put first on the workers' PYTHONPATH;
 TensorFlow, JAX and torch stay as installed. For each release and each backend one gang of
 real processes — 2 workers and one process of plain Keras, started together on free ports —
-trains `tests/workers/version_smoke.py` (SGD, 2 epochs) and must end with:
+trains `tests/workers/version_smoke.py` (SGD, then Adam, 2 epochs each) and must end with:
 
-* the 2 workers bit-identical, and within 1e-5 of the one process (max |Δw|, and the loss of
-  a final `evaluate`);
+* the 2 workers bit-identical, and within 1e-5 of the one process (max |Δw| after SGD and
+  after Adam, and the loss of a final `evaluate`);
+* on torch, one all-reduce per training step and no other collective (counted by torch's
+  profiler, whoever issues it: from Keras 3.16 on Keras has its own torch distribution, which
+  keras_mwms must switch off rather than double);
 * the Keras release asked for (the overlay took effect) and, inside the supported range, no
   warning about an untested release;
 
@@ -50,6 +53,8 @@ BACKENDS = ("tensorflow", "jax", "torch")
 TOLERANCE = 1e-5
 GANG_TIMEOUT = 300
 UNTESTED_WARNING = "KERAS_MWMS_ALLOW_UNTESTED_KERAS=1"
+# The smoke model's gradient is one bucket: one all-reduce per step carries it and the metrics.
+TORCH_COLLECTIVES_PER_STEP = {"c10d::allreduce_": 1.0}
 
 
 @dataclass
@@ -61,6 +66,8 @@ class Cell:
     ok: bool = False
     workers_delta: float | None = None
     reference_delta: float | None = None
+    adam_delta: float | None = None
+    collectives_per_step: dict[str, float] | None = None
     resume_delta: float | None = None
     resume_ok: bool | None = None
     seconds: float = 0.0
@@ -77,10 +84,15 @@ def install_overlay(release: str) -> tuple[Path | None, str]:
     """The overlay directory for `release` (installed if missing) and the Keras version in it."""
     if release == "installed":
         return None, _version_in(None)
+    if release == "pinned-nightly":
+        release = pinned_nightly()
     if release == "nightly":
         target = OVERLAYS / "keras-nightly"
         shutil.rmtree(target, ignore_errors=True)
         requirement = ["--pre", "keras-nightly"]
+    elif ".dev" in release:
+        target = OVERLAYS / f"keras-nightly-{release}"
+        requirement = [f"keras-nightly=={release}"]
     else:
         target = OVERLAYS / f"keras-{release}"
         requirement = [f"keras=={release}"]
@@ -88,6 +100,20 @@ def install_overlay(release: str) -> tuple[Path | None, str]:
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
                         str(target), *requirement], check=True)
     return target, _version_in(target)
+
+
+def pinned_nightly() -> str:
+    """The keras-nightly release constraints.txt pins (`keras-nightly==3.16.0.dev…`): CI's nightly row.
+
+    Example:
+
+    >>> ".dev" in pinned_nightly()
+    True
+    """
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        if line.startswith("keras-nightly=="):
+            return line.split("==", 1)[1].strip()
+    raise SystemExit("constraints.txt pins no keras-nightly (a line `keras-nightly==3.16.0.dev…`).")
 
 
 def _version_in(overlay: Path | None) -> str:
@@ -145,6 +171,19 @@ def equivalence(cell: Cell, overlay: Path | None, out: Path, in_range: bool) -> 
         cell.problems.append(f"workers differ by {cell.workers_delta:.3g}")
     if not cell.reference_delta <= TOLERANCE:
         cell.problems.append(f"{cell.reference_delta:.3g} from one process (> {TOLERANCE:g})")
+    adam = [load_weights(out / "workers" / "adam", index) for index in range(2)]
+    cell.adam_delta = max_weight_difference(adam[0], load_weights(out / "reference" / "adam", 0))
+    if max_weight_difference(adam[0], adam[1]) != 0.0:
+        cell.problems.append("Adam: workers differ")
+    if not cell.adam_delta <= TOLERANCE:
+        cell.problems.append(f"Adam: {cell.adam_delta:.3g} from one process (> {TOLERANCE:g})")
+    if cell.backend == "torch":
+        cell.collectives_per_step = load_result(out / "workers", 0)["collectives_per_step"]
+        for index in range(2):
+            counted = load_result(out / "workers", index)["collectives_per_step"]
+            if counted != TORCH_COLLECTIVES_PER_STEP:
+                cell.problems.append(f"worker {index} issued {counted} collectives per step, not "
+                                     f"{TORCH_COLLECTIVES_PER_STEP} (doubled by Keras' own distribution?)")
     losses = [load_result(out / "workers", 0)["evaluate_loss"], load_result(out / "reference", 0)["evaluate_loss"]]
     if not abs(losses[0] - losses[1]) <= TOLERANCE * max(1.0, abs(losses[1])):
         cell.problems.append(f"evaluate loss {losses[0]:.8g} vs one process {losses[1]:.8g}")
@@ -228,8 +267,8 @@ def backend_versions() -> str:
 
 
 def print_table(cells: list[Cell], resume_backend: str) -> None:
-    print("\nkeras_mwms compatibility (2 workers vs one process of plain Keras, SGD, 2 epochs; "
-          "✅ = workers bit-identical, max |Δw| vs one process shown):")
+    print("\nkeras_mwms compatibility (2 workers vs one process of plain Keras, SGD and Adam, 2 epochs; "
+          "✅ = workers bit-identical, max |Δw| after SGD vs one process shown):")
     print(f"backends as installed: {backend_versions()}; BackupAndRestore kill/resume on {resume_backend}")
     by_release: dict[str, dict[str, Cell]] = {}
     for cell in cells:
@@ -273,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
                     cell.broken_rows = broken_rows(overlay, backend)
                 cells.append(cell)
                 print(f"   {backend:<10} {cell.verdict()}"
+                      f"{'' if cell.adam_delta is None else f', Adam {cell.adam_delta:.1g}'}"
                       f"{'' if cell.resume_ok is None else f', resume ✅ {cell.resume_delta:.1g}' if cell.resume_ok else ''}"
+                      f"{'' if cell.collectives_per_step is None else f', per step {cell.collectives_per_step}'}"
                       f"  ({cell.seconds:.0f} s)", flush=True)
             if arguments.callbacks:
                 code, summary = callback_tests(overlay)

@@ -36,6 +36,15 @@ from keras_mwms.backends.patches import (
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _next(series: str) -> str:
+    major, minor = series.split(".")
+    return f"{major}.{int(minor) + 1}"
+
+
+NEXT = _next(SUPPORTED_KERAS[-1])                         # the first Keras series not supported
+RANGE = f"{SUPPORTED_KERAS[0]}–{SUPPORTED_KERAS[-1]}"
+
+
 def all_tables() -> list[PatchTable]:
     """Every patch table keras_mwms installs (the TensorFlow one is built per joined backend)."""
     from keras_mwms.backends import callback_list, model_scope, resume
@@ -147,20 +156,20 @@ def test_a_supported_keras_installs_without_a_word(installed, version):
     table.uninstall()
 
 
-@pytest.mark.parametrize("version", ["3.11.3", "3.16.0", "3.16.0.dev2026102704", "4.0.0"])
+@pytest.mark.parametrize("version", ["3.11.3", f"{NEXT}.0", f"{NEXT}.0.dev2026120104", "4.0.0"])
 def test_an_unsupported_keras_is_a_clear_error_naming_both_releases_and_the_override(installed, version):
     installed(keras=version)
     table, holder = example_table()
     with pytest.raises(RuntimeError) as error:
         table.install()
     message = str(error.value)
-    assert f"Keras {version}" in message and "3.12–3.15" in message and ALLOW_UNTESTED_ENV in message
-    assert "keras>=3.12,<3.16" in message and TESTED_KERAS[-1] in message
+    assert f"Keras {version}" in message and RANGE in message and ALLOW_UNTESTED_ENV in message
+    assert f"keras>={SUPPORTED_KERAS[0]},<{NEXT}" in message and TESTED_KERAS[-1] in message
     assert holder.step() == "keras" and not table.installed      # nothing was changed
 
 
 def test_the_override_warns_once_per_process_whichever_tables_ask(installed, monkeypatch):
-    installed(keras="3.16.0.dev2026102704")
+    installed(keras=f"{NEXT}.0.dev2026120104")
     monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
     tables = [example_table(name)[0] for name in ("model-scope", "tensorflow", "jax", "callbacks")]
     with warnings.catch_warnings(record=True) as caught:
@@ -174,10 +183,10 @@ def test_the_override_warns_once_per_process_whichever_tables_ask(installed, mon
 
 
 def test_the_override_tries_an_unsupported_keras_with_one_warning(installed, monkeypatch):
-    installed(keras="3.16.0.dev2026102704")
+    installed(keras=f"{NEXT}.0.dev2026120104")
     monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
     first, holder = example_table()
-    with pytest.warns(UserWarning, match=r"Keras 3\.16\.0\.dev2026102704 \(supported: 3\.12–3\.15\)"):
+    with pytest.warns(UserWarning, match=re.escape(f"Keras {NEXT}.0.dev2026120104 (supported: {RANGE})")):
         first.install()
     assert holder.step() == "KERAS"
     second, _ = example_table()
@@ -226,12 +235,12 @@ def test_a_row_whose_feature_is_missing_is_skipped_not_an_error(installed):
 
 
 def test_a_row_serves_only_its_releases_and_the_newest_ones_are_tried_outside_the_range(installed, monkeypatch):
-    table, holder = example_table(keras_versions=("3.15",))
+    table, holder = example_table(keras_versions=SUPPORTED_KERAS[-1:])
     installed(keras="3.13.2")
     table.install()
-    assert holder.step() == "keras"                      # a 3.15-only row: nothing to patch on 3.13
+    assert holder.step() == "keras"                      # a newest-only row: nothing to patch on 3.13
     table.uninstall()
-    installed(keras="3.16.0")
+    installed(keras=f"{NEXT}.0")
     monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
     with pytest.warns(UserWarning):
         table.install()
@@ -241,15 +250,23 @@ def test_a_row_serves_only_its_releases_and_the_newest_ones_are_tried_outside_th
 
 def test_release_series():
     assert [release_series(v) for v in ("3.12.4", "2.13.0+cpu", "0.9.0.1", "2.21.0", "3.16.0rc1")] == [
-        "3.12", "2.13", "0.9", "2.21", "3.16.0rc1"]
+        "3.12", "2.13", "0.9", "2.21", "3.16"]
+
+
+def test_a_pre_release_counts_as_the_series_it_leads_to(installed):
+    installed(keras=f"{SUPPORTED_KERAS[-1]}.0.dev2026102704")      # a nightly of a supported series
+    table, holder = example_table()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        table.install()
+    assert holder.step() == "KERAS"
+    table.uninstall()
+    installed(keras=f"{_next(SUPPORTED_KERAS[-1])}.0.dev2026102704")   # the next series' nightly
+    with pytest.raises(RuntimeError, match="Keras"):
+        table.install()
 
 
 # -- declared once: pyproject, constraints and README agree with the table ---------------------
-
-def _next(series: str) -> str:
-    major, minor = series.split(".")
-    return f"{major}.{int(minor) + 1}"
-
 
 def test_pyproject_declares_the_same_range():
     text = (REPO / "pyproject.toml").read_text()
@@ -264,14 +281,19 @@ def test_pyproject_declares_the_same_range():
 def test_the_pins_are_inside_the_range_and_the_readme_table_shows_every_tested_release():
     pins = dict(line.split("==") for line in (REPO / "constraints.txt").read_text().splitlines()
                 if "==" in line and not line.startswith("#"))
-    assert pins["keras"] == TESTED_KERAS[-1]
+    # The suite runs on the newest final release; the newest series, while unreleased, on the
+    # keras-nightly pin (the version smoke's `pinned-nightly` row).
+    assert pins["keras"] == [release for release in TESTED_KERAS if ".dev" not in release][-1]
+    if ".dev" in TESTED_KERAS[-1]:
+        assert pins["keras-nightly"] == TESTED_KERAS[-1]
+        assert re.search(r"^KERAS_SMOKE \?=.* pinned-nightly", (REPO / "Makefile").read_text(), re.MULTILINE)
     for distribution, module in [("tensorflow-cpu", "tensorflow"), ("jax", "jax"), ("torch", "torch")]:
         assert release_series(pins[distribution]) in SUPPORTED_BACKENDS[module], distribution
     readme = (REPO / "README.md").read_text()
     section = readme[readme.index("## Compatibility"):]
     section = section[:section.find("\n## ", 3)]
     for release in TESTED_KERAS:
-        assert f"| {release} |" in section, f"README's compatibility table lacks Keras {release}"
+        assert f"| {release} " in section, f"README's compatibility table lacks Keras {release}"
 
 
 # -- refused before the rendezvous, on a real Keras outside the range ----------------------------

@@ -59,9 +59,10 @@ from keras_mwms import settings
 from keras_mwms.backends.keras_api.anchors import Target
 from keras_mwms.errors import KerasVersionError
 
-SUPPORTED_KERAS = ("3.12", "3.13", "3.14", "3.15")
-"""The Keras minor releases keras_mwms supports; each was tested at its newest patch release."""
-TESTED_KERAS = ("3.12.4", "3.13.2", "3.14.1", "3.15.1")
+SUPPORTED_KERAS = ("3.12", "3.13", "3.14", "3.15", "3.16")
+"""The Keras minor releases keras_mwms supports; each was tested at its newest patch release
+(3.16, not released yet, at the keras-nightly constraints.txt pins)."""
+TESTED_KERAS = ("3.12.4", "3.13.2", "3.14.1", "3.15.1", "3.16.0.dev2026102704")
 """The releases the version smoke (`make version-smoke`) and the suite (3.15.1) run on."""
 SUPPORTED_BACKENDS = {
     "tensorflow": ("2.19", "2.20", "2.21"),
@@ -72,19 +73,27 @@ SUPPORTED_BACKENDS = {
 ANY_KERAS = ("*",)
 ALLOW_UNTESTED_ENV = settings.ALLOW_UNTESTED_KERAS.name
 
-_RELEASE = re.compile(r"(\d+)\.(\d+)(?:\.\d+)*(?:\+[\w.]+)?")
+# PEP 440: release numbers, then an optional pre-release (a, b, rc), post- and dev-release, local tag.
+_RELEASE = re.compile(r"(\d+)\.(\d+)(?:\.\d+)*(?:[-_.]?(?:a|b|rc)\d*)?(?:[-_.]?post\d*)?"
+                      r"(?:[-_.]?dev\d*)?(?:\+[\w.]+)?")
 _warned: set[str] = set()
 
 
 def release_series(version: str) -> str:
-    """The minor release a version belongs to; a pre-release (dev, rc) is a series of its own.
+    """The minor release a version belongs to; a pre-release (dev, rc) belongs to the one it leads to.
+
+    A keras-nightly `3.16.0.dev…` is a release candidate of Keras 3.16, so it counts as 3.16:
+    refused while 3.16 is not supported, served by the 3.16 rows once it is. A version that is
+    not PEP 440 stays a series of its own (never supported).
 
     Example:
 
     >>> release_series("3.14.1"), release_series("2.13.0+cpu"), release_series("0.9.0.1")
     ('3.14', '2.13', '0.9')
-    >>> release_series("3.16.0.dev2026102704")
-    '3.16.0.dev2026102704'
+    >>> release_series("3.16.0.dev2026102704"), release_series("2.22.0rc0"), release_series("3.16.0rc1")
+    ('3.16', '2.22', '3.16')
+    >>> release_series("nightly")
+    'nightly'
     """
     match = _RELEASE.fullmatch(version)
     return f"{match.group(1)}.{match.group(2)}" if match else version
@@ -96,7 +105,7 @@ def describe_releases(series: tuple[str, ...]) -> str:
     Example:
 
     >>> describe_releases(SUPPORTED_KERAS), describe_releases(("3.15",)), describe_releases(ANY_KERAS)
-    ('3.12–3.15', '3.15', 'any')
+    ('3.12–3.16', '3.15', 'any')
     """
     if series == ANY_KERAS:
         return "any"
@@ -117,7 +126,7 @@ def installed_version(package: str) -> str | None:
 
 
 def unsupported_versions(backend: str | None = None) -> list[str]:
-    """What is installed outside the supported range: `"Keras 3.16.0.dev… (supported: 3.12–3.15)"`.
+    """What is installed outside the supported range: `"Keras 3.17.0.dev… (supported: 3.12–3.16)"`.
 
     Checks Keras, and the backend module `backend` (`"tensorflow"`, `"jax"`, `"torch"`) if given.
 

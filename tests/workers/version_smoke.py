@@ -1,4 +1,4 @@
-"""Version smoke worker: 2 epochs of SGD on a small MLP, as a worker or as plain Keras.
+"""Version smoke worker: 2 epochs of SGD, then of Adam, on a small MLP, as a worker or as plain Keras.
 
 Runs in each worker of a gang (`keras_mwms.MultiWorkerMirroredStrategy`) and, with
 `--reference`, as one process of plain Keras (no keras_mwms) — whatever Keras release the
@@ -8,8 +8,14 @@ With `--backup DIR --kill-at-step K`, worker 1 SIGKILLs itself after global step
 launcher's first attempt; `keras_mwms.callbacks.BackupAndRestore(DIR, save_freq=4)` makes the
 restarted gang resume at the saved step, so its final weights must equal the reference's.
 
+On torch each worker also counts the collectives of four steady-state steps of the SGD fit
+with torch's profiler (every `c10d::` operation, whoever issues it: keras_mwms, or Keras' own
+torch distribution from 3.16 on, its DDP reducer included), so a Keras release that adds a
+collective per step shows up in the smoke.
+
 Writes `<out>/w<index>.npz` (final weights) and `<out>/w<index>.json` (Keras version, history,
-evaluate loss).
+evaluate loss, collectives per step), and the Adam model's `<out>/adam/w<index>.npz` (16
+steps: Adam amplifies reduction-order noise, so it is compared over at most 20).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ parser.add_argument("--out", required=True)
 parser.add_argument("--reference", action="store_true", help="one process of plain Keras")
 parser.add_argument("--backup", default=None)
 parser.add_argument("--kill-at-step", type=int, default=-1)
+parser.add_argument("--jit-compile", action="store_true", help="compile(jit_compile=True) (manual runs)")
 arguments = parser.parse_args()
 
 import keras  # noqa: E402
@@ -34,11 +41,42 @@ EPOCHS, GLOBAL_BATCH = 2, 32
 x, y = common.regression_data(rows=256)
 
 
-def build():
+def build(optimizer=None):
     keras.utils.set_random_seed(5)
     model = common.mlp(hidden=16)
-    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"],
+                  jit_compile=True if arguments.jit_compile else "auto")
     return model
+
+
+class CountCollectives(keras.callbacks.Callback):
+    """torch: the collectives per step of the first epoch's steps FIRST..LAST, by torch's profiler."""
+
+    FIRST, LAST = 2, 5
+
+    def __init__(self):
+        super().__init__()
+        self.profiler, self.epoch, self.per_step = None, 0, None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.epoch == 0 and batch == self.FIRST:
+            import torch.profiler
+
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self.profiler.__enter__()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.profiler is not None and batch == self.LAST:
+            self.profiler.__exit__(None, None, None)
+            counts: dict[str, int] = {}
+            for event in self.profiler.events():
+                if event.name.startswith("c10d::"):
+                    counts[event.name] = counts.get(event.name, 0) + 1
+            steps = self.LAST - self.FIRST + 1
+            self.per_step, self.profiler = {name: count / steps for name, count in counts.items()}, None
 
 
 class KillWorkerOne(keras.callbacks.Callback):
@@ -57,6 +95,7 @@ class KillWorkerOne(keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+counter = None
 if arguments.reference:
     index, model, callbacks = 0, build(), []
 else:
@@ -70,10 +109,22 @@ else:
     if arguments.backup:
         callbacks = [keras_mwms.callbacks.BackupAndRestore(arguments.backup, save_freq=4),
                      KillWorkerOne(index, arguments.kill_at_step)]
+    elif keras.backend.backend() == "torch":
+        counter = CountCollectives()
+        callbacks = [counter]
 
 history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
                     callbacks=callbacks)
 loss = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0, return_dict=True)["loss"]
 common.save_result(arguments.out, index, model, keras=keras.__version__, backend=keras.backend.backend(),
-                   history=history.history, evaluate_loss=loss)
+                   history=history.history, evaluate_loss=loss,
+                   collectives_per_step=counter.per_step if counter else None)
+if not arguments.backup:
+    if arguments.reference:
+        adam = build(keras.optimizers.Adam(0.01))
+    else:
+        with strategy.scope():
+            adam = build(keras.optimizers.Adam(0.01))
+    adam.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    common.save_result(os.path.join(arguments.out, "adam"), index, adam, keras=keras.__version__)
 common.log("done", keras.__version__)

@@ -223,7 +223,14 @@ def make_global_batch_adapter(source: GlobalBatchSource, placer: Any):
         def __init__(self):
             self.source = source
 
-        def get_jax_iterator(self):
+        def get_jax_iterator(self, super_batch=None):
+            # Keras 3.16 asks for `steps_per_execution` batches stacked into one "super batch"
+            # (scanned in one jit); global batches placed across processes cannot be stacked.
+            if super_batch:
+                raise ValueError(
+                    f"keras_mwms (JAX): steps_per_execution={super_batch} is not supported on "
+                    "Keras 3.16 or newer, which stacks that many batches into one array; compile "
+                    "the model with steps_per_execution=1.")
             place = placer.place_local_part if getattr(source, "local_parts", False) else placer.place
             for batch in source.epoch():
                 yield place(batch)

@@ -467,6 +467,34 @@ def skip_empty_test_step(model, test_step: Callable) -> Callable:
     return step
 
 
+def iterator_function(model, step: Callable, concatenate_outputs: bool = False) -> Callable:
+    """Keras' `(state, iterator) -> (outputs, state)` function around a step of keras_mwms'.
+
+    keras_mwms' steps (the flat train and test steps, the local predict step) run their own
+    jitted parts, and collectives or host reads between them, so they must not be jitted whole,
+    as Keras 3.16's `_make_function` does with every step. This is Keras 3.15's loop:
+    `steps_per_execution` steps a call, fewer where the epoch ends; predict's outputs of those
+    steps concatenated.
+    """
+    def iterator_step(state, iterator):
+        outputs, state = step(state, next(iterator))
+        collected = [outputs]
+        try:
+            for _ in range(model.steps_per_execution - 1):
+                outputs, state = step(state, next(iterator))
+                collected.append(outputs)
+        except StopIteration:
+            pass
+        if concatenate_outputs and len(collected) > 1:
+            import jax.numpy as jnp
+            from keras import tree
+
+            outputs = tree.map_structure(lambda *parts: jnp.concatenate(parts, axis=0), *collected)
+        return outputs, state
+
+    return iterator_step
+
+
 def warn_flat_batch_norm(model, reason: str) -> None:
     """Warns that `model` runs on the flat path although it cannot reproduce one process there."""
     warnings.warn(f"jax_path='flat' (KERAS_MWMS_JAX_PATH=flat): {type(model).__name__} runs on the "

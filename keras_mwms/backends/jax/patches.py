@@ -112,7 +112,9 @@ def _noting_new_variables(original):
 
 # -- global batches -----------------------------------------------------------------------
 def _arrays_pass_through(original):
-    def distribute_data(data_, layouts=None):
+    # Forwards whatever else Keras passes (3.16 adds `is_super_batch`).
+    @functools.wraps(original)
+    def distribute_data(data_, *args, **kwargs):
         import jax
         from jax.sharding import NamedSharding
         from keras import tree
@@ -121,7 +123,7 @@ def _arrays_pass_through(original):
         if leaves and all(isinstance(leaf, jax.Array) and isinstance(leaf.sharding, NamedSharding)
                           for leaf in leaves):
             return data_
-        return original(data_, layouts)
+        return original(data_, *args, **kwargs)
 
     return distribute_data
 
@@ -246,7 +248,7 @@ def _predict_local_function(original):
                 ([local_copy(v) for v in trainable], [local_copy(v) for v in non_trainable]), batch)
             return outputs, (trainable, non_trainable)
 
-        self.predict_function = self._make_function(predict_step, concatenate_outputs=True)
+        self.predict_function = flat.iterator_function(self, predict_step, concatenate_outputs=True)
         return self.predict_function
 
     return make_predict_function
@@ -293,7 +295,7 @@ def _on_flat_path(backend, model) -> bool:
 def _flat_function(attribute: str, build):
     """A replacement factory for `make_train_function`/`make_test_function`: on several workers
     the model's state is agreed first (see `_sync_state`); on the flat path
-    `model.<attribute>` becomes `model._make_function(build(backend, model))`."""
+    `model.<attribute>` becomes `flat.iterator_function(model, build(backend, model))`."""
     def replacement(original):
         signature = inspect.signature(original)
 
@@ -315,7 +317,7 @@ def _flat_function(attribute: str, build):
                 return result
             force = signature.bind(self, *args, **kwargs).arguments.get("force", False)
             if getattr(self, attribute) is None or force:
-                setattr(self, attribute, self._make_function(build(backend, self)))
+                setattr(self, attribute, flat.iterator_function(self, build(backend, self)))
 
         return make_function
 

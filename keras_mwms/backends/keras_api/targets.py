@@ -52,6 +52,10 @@ TRAINER_MAKE_PREDICT_FUNCTION = Target(TRAINER, "make_predict_function", backend
 TRAINER_METRICS_RESULT_OR_LOGS = Target(TRAINER, "_get_metrics_result_or_logs", backends=JAX + TORCH)
 BASE_TRAINER_INIT = Target(BASE_TRAINER, "__init__")
 BASE_TRAINER_COMPUTE_METRICS = Target(BASE_TRAINER, "compute_metrics")
+# Keras 3.16's own torch distribution: the DDP wrap, and metric results all-reduced
+TORCH_INITIALIZE_DDP = Target(TRAINER, "_initialize_ddp", backends=TORCH)
+TORCH_GET_METRICS_RESULT = Target(TRAINER, "get_metrics_result", backends=TORCH)
+BASE_TRAINER_GET_METRICS_RESULT = Target(BASE_TRAINER, "get_metrics_result", backends=TORCH)
 EPOCH_ITERATOR_ENUMERATE = Target(TRAINER_MODULE, "EpochIterator._enumerate_iterator")
 
 # -- TensorFlow trainer and optimizer -------------------------------------------------------
@@ -113,7 +117,7 @@ MULTI_OPTIMIZER_APPLY = Target(MULTI_OPTIMIZER, "apply", backends=TORCH)
 TORCH_ADAM_CLASS = Target(TORCH_ADAM, "Adam")
 TORCH_ADAM_UPDATE = Target(TORCH_ADAM, "Adam._parallel_update_step")
 
-OPTIONAL = (MULTI_OPTIMIZER_APPLY,)
+OPTIONAL = (MULTI_OPTIMIZER_APPLY, TORCH_INITIALIZE_DDP)
 """Targets of rows behind a feature test (`KerasHas`): missing is not an error."""
 
 ALL = tuple(value for value in dict(globals()).values() if isinstance(value, Target))

@@ -85,6 +85,37 @@ def _global_metric_results(original: Callable) -> Callable:
     return _get_metrics_result_or_logs
 
 
+# -- Keras' own torch distribution (Keras 3.16) --------------------------------------------
+# From Keras 3.16 the torch trainer distributes by itself whenever `torch.distributed` is
+# initialized: it wraps the model in DistributedDataParallel (`_initialize_ddp`) and sums every
+# metric variable across processes in `get_metrics_result`. keras_mwms already does both (one
+# row-weighted gradient all-reduce per step that also carries the metric states; min/max
+# metrics reduced as such; uneven shards), so while a keras_mwms strategy is active Keras' path
+# is off for every model: a model of the strategy's scope would otherwise issue its collectives
+# twice, and any other model (a chief-only `evaluate`) would enter collectives its peers never
+# join, where on Keras 3.12-3.15 it ran locally.
+def _no_keras_ddp(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def _initialize_ddp(self, *args, **kwargs):
+        if active.active_backend() is None:
+            return original(self, *args, **kwargs)
+        return None
+
+    return _initialize_ddp
+
+
+def _local_metric_results(original: Callable) -> Callable:
+    local = targets.BASE_TRAINER_GET_METRICS_RESULT.get()   # Keras' own, undistributed results
+
+    @functools.wraps(original)
+    def get_metrics_result(self, *args, **kwargs):
+        if active.active_backend() is None:
+            return original(self, *args, **kwargs)
+        return local(self, *args, **kwargs)
+
+    return get_metrics_result
+
+
 # -- BatchNormalization, variables ----------------------------------------------------------
 def _synchronized_batch_norm(original: Callable) -> Callable:
     signature = inspect.signature(original)
@@ -188,6 +219,8 @@ def _adam_without_temporaries(original: Callable) -> Callable:
     return _parallel_update_step
 
 
+# Keras' torch trainer distributes by itself (new in 3.16): DDP and all-reduced metric results.
+_KERAS_DISTRIBUTES = KerasHas(targets.TORCH_INITIALIZE_DDP)
 _ROWS = f"{_NO_HOOKS}: each worker's loss is weighted by its shard's rows"
 _GRADIENTS = (f"{_NO_HOOKS}: the global-batch gradient (all-reduced, divided by the global rows) "
               "before Keras clips, unscales and applies it")
@@ -211,6 +244,16 @@ PATCHES = PatchTable("torch", [
     Patch("torch-global-metric-results", targets.TRAINER_METRICS_RESULT_OR_LOGS,
           _global_metric_results, f"{_NO_HOOKS}: metric results of every worker's rows",
           parameters=("logs",)),
+    Patch("torch-no-keras-ddp", targets.TORCH_INITIALIZE_DDP, _no_keras_ddp,
+          "Keras 3.16 wraps the model in DistributedDataParallel whenever torch.distributed is "
+          "initialized: a second gradient all-reduce per step on top of keras_mwms' (and "
+          "collectives for models outside the scope)",
+          applies=_KERAS_DISTRIBUTES),
+    Patch("torch-no-keras-metric-all-reduce", targets.TORCH_GET_METRICS_RESULT, _local_metric_results,
+          "Keras 3.16 sums every metric variable across processes in get_metrics_result (one "
+          "all-reduce per variable, per step, and min/max metrics summed; TorchDynamo fails in "
+          "it under jit_compile=True): results come from this worker's states, made global by "
+          "keras_mwms", applies=_KERAS_DISTRIBUTES),
     Patch("torch-synchronized-batchnorm", targets.BATCH_NORM_INIT, _synchronized_batch_norm,
           "Keras refuses BatchNormalization(synchronized=True) off TensorFlow (keras-team/keras#19118)",
           parameters=("synchronized",)),
@@ -237,7 +280,7 @@ PATCHES = PatchTable("torch", [
           parameters=("grads", "trainable_variables")),
     Patch("torch-multi-optimizer-all-reduce", targets.MULTI_OPTIMIZER_APPLY,
           _averaged_gradients, f"MultiOptimizer overrides apply; {_GRADIENTS}",
-          parameters=("grads", "trainable_variables"), keras_versions=("3.15",),
+          parameters=("grads", "trainable_variables"), keras_versions=("3.15", "3.16"),
           applies=KerasHas(targets.MULTI_OPTIMIZER_APPLY)),   # new in Keras 3.15
     Patch("torch-adam-update",
           targets.TORCH_ADAM_UPDATE,
