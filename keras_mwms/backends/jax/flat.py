@@ -475,6 +475,13 @@ def iterator_function(model, step: Callable, concatenate_outputs: bool = False) 
     as Keras 3.16's `_make_function` does with every step. This is Keras 3.15's loop:
     `steps_per_execution` steps a call, fewer where the epoch ends; predict's outputs of those
     steps concatenated.
+
+    Example:
+
+    >>> from types import SimpleNamespace
+    >>> run = iterator_function(SimpleNamespace(steps_per_execution=2), lambda state, batch: (batch, state + 1))
+    >>> run(0, iter([10, 20, 30])), run(0, iter([30]))
+    ((20, 2), (30, 1))
     """
     def iterator_step(state, iterator):
         outputs, state = step(state, next(iterator))
