@@ -83,6 +83,6 @@ def test_a_torch_process_group_that_contradicts_tf_config_is_a_clear_error():
     assert len(outcomes) == 2, gang.output[-6000:]
     for line in outcomes:
         assert line.startswith("RESULT error RuntimeError"), line
-        assert "already initialised" in line and "world_size=1" in line, line
+        assert "already initialised" in line and "with 1 process(es), this one at index 0" in line, line
         assert "TF_CONFIG describes 2 worker(s)" in line, line
 

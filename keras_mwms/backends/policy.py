@@ -467,6 +467,27 @@ def worker_label(resolver: Any, rank: int) -> str:
     return f"worker {rank} ({job}:{index} at {resolver.worker_addresses[rank]})"
 
 
+def check_started_group(port: Any, runtime: str, found_size: int, found_rank: int, starter: str) -> None:
+    """Raises unless a collective runtime started before the strategy (Ray, a launcher, the
+    script) is the one the cluster describes: the same worker count, this worker at its index.
+
+    Example:
+
+    >>> import types
+    >>> port = types.SimpleNamespace(num_workers=2, worker_index=1, resolver=None)
+    >>> check_started_group(port, "torch.distributed", 2, 1, "init_process_group")   # the cluster's
+    """
+    if (found_size, found_rank) == (port.num_workers, port.worker_index):
+        return
+    source = getattr(port.resolver, "source", None) or "TF_CONFIG"
+    raise RuntimeError(
+        f"keras_mwms worker {port.worker_index}: {runtime} was already initialised in this process "
+        f"with {found_size} process(es), this one at index {found_rank}, but {source} describes "
+        f"{port.num_workers} worker(s) with this one at index {port.worker_index}. Let "
+        f"keras_mwms.MultiWorkerMirroredStrategy() start {runtime} (remove the {starter} call), or "
+        "make its process count and index match the cluster.")
+
+
 def lost_worker_message(worker_index: int, lost: list[str], where: str, underlying: str,
                         restart: str = "Restart the whole job (`python -m keras_mwms.launch --max-restarts N`) "
                                        "and resume with keras_mwms.callbacks.BackupAndRestore.") -> str:

@@ -419,15 +419,8 @@ def initialize_distributed(backend: Backend) -> bool:
     from jax._src import xla_bridge
 
     if jax.distributed.is_initialized():
-        found = (jax.process_count(), jax.process_index())
-        if found != (backend.num_workers, backend.worker_index):
-            source = getattr(backend.resolver, "source", None) or "TF_CONFIG"
-            raise RuntimeError(
-                f"keras_mwms worker {backend.worker_index}: jax.distributed was already initialised in "
-                f"this process with {found[0]} process(es), this one at index {found[1]}, but {source} "
-                f"describes {backend.num_workers} worker(s) with this one at index {backend.worker_index}. "
-                "Let keras_mwms.MultiWorkerMirroredStrategy() start jax.distributed (remove the "
-                "jax.distributed.initialize call), or make its process count and id match the cluster.")
+        policy.check_started_group(backend, "jax.distributed", jax.process_count(), jax.process_index(),
+                                   "jax.distributed.initialize")
         return False
     if xla_bridge.backends_are_initialized():
         raise StrategyCreatedTooLateError(

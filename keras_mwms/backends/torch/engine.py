@@ -194,16 +194,8 @@ class TorchEngine(Backend):
     def _check_existing_process_group(self) -> None:
         """Joins a process group started before the strategy (by Ray's TorchTrainer, a launcher
         or the script), if it is the one the cluster describes; its owner destroys it."""
-        size, rank = dist.get_world_size(), dist.get_rank()
-        if (size, rank) != (self.num_workers, self.worker_index):
-            source = getattr(self.resolver, "source", None) or "TF_CONFIG"
-            raise RuntimeError(
-                f"keras_mwms worker {self.worker_index}: torch.distributed was already initialised "
-                f"in this process with world_size={size}, rank={rank}, but {source} "
-                f"describes {self.num_workers} worker(s) with this one at index {self.worker_index}. "
-                "Let keras_mwms.MultiWorkerMirroredStrategy() start the process group (remove the "
-                "init_process_group call), or make its world size and rank match the cluster."
-            )
+        policy.check_started_group(self, "torch.distributed", dist.get_world_size(), dist.get_rank(),
+                                   "init_process_group")
 
     def _store(self, host: str, port: int) -> dist.TCPStore:
         """The TCPStore `init_method="tcp://host:port"` would make, the chief's bound to `host` only.
