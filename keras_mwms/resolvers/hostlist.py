@@ -107,3 +107,37 @@ def expand_tasks_per_node(text: str, variable: str = "SLURM_STEP_TASKS_PER_NODE"
                                     "Every node of a job step runs at least one task.")
         counts += [count] * repeat
     return counts
+
+
+def given_hosts(hosts: str | list[str] | None, environ, setting) -> tuple[str, list[str] | None]:
+    """The job's nodes in rank order and where they came from: the `hosts` argument, else the
+    variable `setting` reads (`keras_mwms.settings.HOSTS`), expanded like Slurm's lists; None
+    when neither is given.
+
+    Example:
+
+    >>> import types
+    >>> unset = types.SimpleNamespace(name="HOSTS", read=lambda environ: environ.get("HOSTS"))
+    >>> given_hosts("node[1-2]", {}, unset), given_hosts(None, {"HOSTS": "a,b"}, unset)
+    (('hosts', ['node1', 'node2']), ('HOSTS', ['a', 'b']))
+    """
+    if hosts is None:
+        text = setting.read(environ)
+        return (setting.name, expand_hostlist(text, setting.name)) if text is not None else ("hosts", None)
+    return "hosts", expand_hostlist(hosts, "hosts") if isinstance(hosts, str) else list(hosts)
+
+
+def nodes_share(hosts: list[str], size: int, variable: str, unit: str) -> int:
+    """How many of the job's `size` processes run on each of `hosts`; an error naming `variable`
+    unless every node runs the same number.
+
+    Example:
+
+    >>> nodes_share(["a", "b"], 4, "hosts", "ranks")
+    2
+    """
+    if not hosts or size % len(hosts):
+        raise environment_error(variable, ",".join(hosts),
+                                f"names {len(hosts)} node(s), which do not share {size} {unit} evenly",
+                                f"List each node once, every node running the same number of {unit}.")
+    return size // len(hosts)

@@ -28,7 +28,7 @@ from keras_mwms.resolvers.environment import (
     read_int,
 )
 from keras_mwms.resolvers.exchange import exchange_hosts
-from keras_mwms.resolvers.hostlist import expand_hostlist
+from keras_mwms.resolvers.hostlist import given_hosts, nodes_share
 
 HOSTS_ENV = settings.HOSTS.name
 COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"
@@ -86,18 +86,9 @@ class JaxClusterResolver(EnvironmentClusterResolver):
         rank = read_int(environ, "JAX_PROCESS_ID", f"It is this process's index in 0..{size - 1}. " + _LAUNCH,
                         maximum=size - 1, required=True)
         coordinator_host, coordinator_port = read_coordinator(environ)
-        hosts_variable = "hosts"
-        if hosts is None and settings.HOSTS.is_set(environ):
-            hosts_variable, hosts = HOSTS_ENV, settings.HOSTS.read(environ)
-        if isinstance(hosts, str):
-            hosts = expand_hostlist(hosts, hosts_variable)
+        hosts_variable, hosts = given_hosts(hosts, environ, settings.HOSTS)
         if hosts is not None:
-            hosts = list(hosts)
-            if not hosts or size % len(hosts):
-                raise environment_error(hosts_variable, ",".join(hosts),
-                                        f"names {len(hosts)} node(s), which do not share {size} processes evenly",
-                                        "List each node once, every node running the same number of processes.")
-            per_node = size // len(hosts)
+            per_node = nodes_share(hosts, size, hosts_variable, "processes")
             rank_hosts = [hosts[index // per_node] for index in range(size)]
             local_ranks = [index % per_node for index in range(size)]
         else:

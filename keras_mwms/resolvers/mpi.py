@@ -23,7 +23,7 @@ from keras_mwms.resolvers.environment import (
     first_set,
     read_int,
 )
-from keras_mwms.resolvers.hostlist import expand_hostlist
+from keras_mwms.resolvers.hostlist import given_hosts, nodes_share
 from keras_mwms.resolvers.ports import PORT_BASE_ENV, port_base_for_job
 
 HOSTS_ENV = settings.HOSTS.name
@@ -90,11 +90,7 @@ class MPIClusterResolver(EnvironmentClusterResolver):
         local_size = read_int(environ, local_size_name, "It is the rank count on this node.", minimum=1,
                               maximum=size)
         local_rank = read_int(environ, local_rank_name, "It is this rank's index on its node.")
-        hosts_variable = "hosts"
-        if hosts is None and settings.HOSTS.is_set(environ):
-            hosts_variable, hosts = HOSTS_ENV, settings.HOSTS.read(environ)
-        if isinstance(hosts, str):
-            hosts = expand_hostlist(hosts, hosts_variable)
+        hosts_variable, hosts = given_hosts(hosts, environ, settings.HOSTS)
         if hosts is None:
             if local_size is not None and local_size != size:
                 raise environment_error(HOSTS_ENV, None, f"but {local_size_name}={local_size} is not "
@@ -102,12 +98,7 @@ class MPIClusterResolver(EnvironmentClusterResolver):
                                         "Set KERAS_MWMS_HOSTS to the nodes in rank order, e.g. "
                                         "`mpirun -x KERAS_MWMS_HOSTS=node1,node2 ...`.")
             hosts = ["localhost"]
-        hosts = list(hosts)
-        if not hosts or size % len(hosts):
-            raise environment_error(hosts_variable, ",".join(hosts),
-                                    f"names {len(hosts)} node(s), which do not share {size} ranks evenly",
-                                    "List each node once, every node running the same number of ranks.")
-        per_node = size // len(hosts)
+        per_node = nodes_share(hosts, size, hosts_variable, "ranks")
         if local_size is not None and local_size != per_node:
             raise environment_error(local_size_name, environ.get(local_size_name),
                                     f"is not {per_node}, the ranks per node of {len(hosts)} node(s)",
