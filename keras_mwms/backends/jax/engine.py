@@ -44,7 +44,7 @@ from keras_mwms import devices
 from keras_mwms.backends import policy
 from keras_mwms.backends.base import Backend
 from keras_mwms.backends.jax import flat, patches, surface
-from keras_mwms.backends.jax.faults import LostWorkerForensics, coordination_client
+from keras_mwms.backends.jax.faults import JaxFaults, coordination_client
 from keras_mwms.backends.patches import ObjectState, PatchTable
 from keras_mwms.communication import CommunicationImplementation
 from keras_mwms.errors import StrategyCreatedTooLateError
@@ -122,7 +122,7 @@ class JaxBackend(Backend):
         self._scope_depth = 0
         self._scope_exits = 0
         self._created_in_scope: dict[int, Any] = {}
-        self.faults = LostWorkerForensics(self)
+        self.faults = JaxFaults(self)
         self.models = ObjectState()   # per model: its path, and whether its state was agreed
 
     @staticmethod

@@ -1,14 +1,11 @@
-"""Lost-worker forensics on JAX: which peer is gone, named in `keras_mwms.WorkerLostError`.
+"""JAX's hook for lost workers (the flow is `keras_mwms.backends.faults`), and its exit.
 
 A gloo or coordination-service failure says little about *who* failed ("Connection reset by
 peer"). At start-up every worker publishes its host and process id through JAX's coordination
-service; when a collective fails with an error that looks like a lost peer, the worker
-
-1. announces that it survived (so the other survivors do not name it),
-2. finds the dead peers — a local peer whose process is gone, a remote one the coordination
-   service no longer lists as live — retrying for a few seconds,
-3. hands them to `Backend.worker_lost`, which raises the one `WorkerLostError` and arms the
-   bounded exit (`CommunicationOptions.lost_worker_exit_seconds`).
+service; when a collective fails with an error that looks like a lost peer, the survivors check
+in on the coordination service's key-value store, and a peer that has not is lost once JAX
+knows it is gone: a local peer whose process is gone, a remote one the coordination service no
+longer lists as live (retrying for `window_seconds`).
 
 JAX cannot leave a broken cluster cleanly: its shutdown barrier waits for the dead peer. So the
 interpreter's exit skips it (`exit_now_if_lost`, registered after JAX's own exit hook so it runs
@@ -31,11 +28,11 @@ import json
 import os
 import socket
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from keras_mwms.backends.faults import Faults, bounded
 from keras_mwms.diagnostics import LEDGER
 from keras_mwms.errors import WorkerLostError
 from keras_mwms.log import get_logger
@@ -44,7 +41,6 @@ logger = get_logger(__name__)
 
 LOST_WORKER_EXIT_CODE = 3
 CHIEF_LINGER_SECONDS = 6.0
-FIND_DEAD_SECONDS = 5.0
 _LOST_PEER_WORDS = ("Gloo", "gloo", "Connection reset", "connection", "Connection closed", "UNAVAILABLE",
                     "heartbeat", "Socket", "socket", "DEADLINE_EXCEEDED", "Broken pipe", "peer")
 
@@ -62,15 +58,18 @@ def coordination_client() -> Any:
     return distributed.global_state.client
 
 
-class LostWorkerForensics:
+class JaxFaults(Faults):
     """Names the peers behind a failed collective and ends this worker without JAX's shutdown hang.
 
     Held by `JaxBackend` as `backend.faults`; `backend` offers `num_workers`, `worker_index`,
     `is_chief`, `collective_timeout_seconds` and `worker_lost(where, error, lost_ranks)`.
     """
 
+    window_seconds = 5.0
+    missing_are_lost = False   # a peer is lost when its process is gone or JAX no longer lists it
+
     def __init__(self, backend: Any):
-        self.backend = backend
+        super().__init__(backend)
         self.peers: dict[int, dict] = {}
         self.lost = False
         self.failed: str | None = None   # "<Error> in model.fit" when the user's call raised here
@@ -89,31 +88,8 @@ class LostWorkerForensics:
     # -- failures --------------------------------------------------------------------------
     def guard(self, where: str, call: Callable[[], Any]) -> Any:
         """`call()`; a failure caused by a lost peer becomes `WorkerLostError` naming it."""
-        with LEDGER.collective(where):   # one collective: counted by the ledger
-            return self._checked(where, call)
-
-    def _checked(self, where: str, call: Callable[[], Any]) -> Any:
-        try:
+        with LEDGER.collective(where), self.guarded(where):   # one collective: counted by the ledger
             return call()
-        except Exception as error:  # noqa: BLE001 - jaxlib's runtime errors have no stable public type
-            self.check(error, where)
-            raise
-
-    def check(self, error: BaseException, where: str) -> None:
-        """Raises `WorkerLostError` (via `backend.worker_lost`) when `error` comes from a lost peer."""
-        if self.backend.num_workers == 1 or isinstance(error, WorkerLostError):
-            return
-        if not looks_like_lost_peer(error):
-            return
-        self._announce_survival()
-        dead: list[int] = []
-        deadline = time.monotonic() + FIND_DEAD_SECONDS
-        while not dead and time.monotonic() < deadline:
-            dead = self.dead_peers()
-            if not dead:
-                time.sleep(0.2)
-        self.lost = True
-        self.backend.worker_lost(where, error, dead)
 
     @contextlib.contextmanager
     def running_user_code(self, where: str) -> Iterator[None]:
@@ -130,43 +106,40 @@ class LostWorkerForensics:
             raise
         self.failed = None
 
-    def dead_peers(self) -> list[int]:
-        """Ranks of the peers found dead: local ones by process id, remote ones by the live list."""
-        here = socket.gethostname()
-        dead, remote = [], []
-        survivors = self._survivors()
-        for index, peer in self.peers.items():
-            if index == self.backend.worker_index or index in survivors:
-                continue
-            if peer.get("host") == here:
-                if not process_alive(int(peer["pid"])):
-                    dead.append(index)
-            else:
-                remote.append(index)
-        if remote:
-            live = self._live_nodes(remote)
-            dead += [index for index in remote if index not in live]
-        return sorted(dead)
+    # -- the hook --------------------------------------------------------------------------
+    def is_lost_peer(self, error: BaseException) -> bool:
+        return looks_like_lost_peer(error)
 
-    def _announce_survival(self) -> None:
-        """Tells peers this worker saw the failure itself, so they do not name it as the lost one."""
-        key = f"keras_mwms/survivor/{self.backend.worker_index}"
-        _bounded(lambda: coordination_client().key_value_set(key, "1", allow_overwrite=True), 2.0)
+    def check_in(self, key: str) -> None:
+        """Bounded: a coordination service that does not answer leaves the peers to `gone`."""
+        bounded(lambda: coordination_client().key_value_set(key, "1", allow_overwrite=True), 2.0)
 
-    def _survivors(self) -> set[int]:
-        found: set[int] = set()
+    def checked_in(self, keys: list[str]) -> set[str]:
+        found: set[str] = set()
 
         def ask():
             client = coordination_client()
-            for index in range(self.backend.num_workers):
+            for key in keys:
                 try:
-                    if client.key_value_try_get(f"keras_mwms/survivor/{index}"):
-                        found.add(index)
+                    if client.key_value_try_get(key):
+                        found.add(key)
                 except Exception:  # noqa: BLE001 - "not found" is an exception in jaxlib
                     pass
 
-        _bounded(ask, 2.0)
+        bounded(ask, 2.0)
         return found
+
+    def gone(self, ranks: list[int]) -> list[int]:
+        """Local peers whose process is gone; remote ones the coordination service no longer lists."""
+        here = socket.gethostname()
+        ranks = [rank for rank in ranks if rank in self.peers]
+        dead = [rank for rank in ranks if self.peers[rank].get("host") == here
+                and not process_alive(int(self.peers[rank]["pid"]))]
+        remote = [rank for rank in ranks if self.peers[rank].get("host") != here]
+        if remote:
+            live = self._live_nodes(remote)
+            dead += [rank for rank in remote if rank not in live]
+        return dead
 
     def _live_nodes(self, indices: list[int]) -> set[int]:
         result: dict = {}
@@ -177,9 +150,12 @@ class LostWorkerForensics:
             except Exception:  # noqa: BLE001 - an unreachable coordinator means the chief is gone
                 result["error"] = True
 
-        if not _bounded(ask, 5.0) or "error" in result:
+        if not bounded(ask, 5.0) or "error" in result:
             return set(indices) - {0}
         return {int(index) for index in result}
+
+    def abandon(self) -> None:
+        self.lost = True
 
     # -- exit ------------------------------------------------------------------------------
     def exit_now_if_lost(self) -> None:
@@ -198,14 +174,6 @@ class LostWorkerForensics:
                 # survivors abort inside JAX before they could name the lost worker.
                 time.sleep(CHIEF_LINGER_SECONDS)
             _exit(LOST_WORKER_EXIT_CODE)
-
-
-def _bounded(function: Callable[[], None], seconds: float) -> bool:
-    """Runs `function` in a daemon thread for at most `seconds`; True if it finished."""
-    thread = threading.Thread(target=function, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    return not thread.is_alive()
 
 
 def _exit(code: int) -> None:

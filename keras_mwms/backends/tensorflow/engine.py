@@ -10,7 +10,8 @@ run. What TF lacks, and what this module adds, is
   RING); lost peers are detected by TF's heartbeats, `timeout_seconds` adds a per-collective
   bound;
 * a name for a lost peer: TF buries `/job:worker/replica:0/task:1` in a graph traceback;
-  `lost_ranks` finds the ranks and `Backend.worker_lost` raises `keras_mwms.WorkerLostError`;
+  `keras_mwms.backends.tensorflow.faults` reads the ranks, and the flow of
+  `keras_mwms.backends.faults` raises `keras_mwms.WorkerLostError`;
 * the collective port the shared policy and the callbacks build on (`all_reduce`,
   `broadcast_object`, `barrier`) as tiny TF collectives.
 
@@ -28,17 +29,17 @@ from __future__ import annotations
 
 import functools
 import pickle
-import re
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from keras_mwms import active, diagnostics
+from keras_mwms import active
 from keras_mwms.backends import policy
 from keras_mwms.backends.base import Backend
 from keras_mwms.backends.patches import PatchTable
 from keras_mwms.backends.tensorflow import patches
+from keras_mwms.backends.tensorflow.faults import TensorFlowFaults
 from keras_mwms.backends.tensorflow.gradients import RowWeighting
 from keras_mwms.cluster import ClusterResolver
 from keras_mwms.communication import CommunicationImplementation, CommunicationOptions
@@ -50,9 +51,6 @@ from keras_mwms.errors import StrategyCreatedTooLateError
 # TF's coordination-service heartbeats already end every worker ≈10 s after a peer dies or is
 # stopped (SIGSTOP stops its heartbeat thread too). A user's `timeout_seconds` is passed on.
 DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = None
-# How TF says two workers issued different collectives under one instance key.
-_MISMATCH = "Collective instance"
-_TASK_PATTERN = re.compile(r"/job:(\w+)/(?:replica:\d+/)?task:(\d+)")
 
 
 def resolve_engine(implementation: CommunicationImplementation, gpu_count: int) -> str:
@@ -94,42 +92,6 @@ def tf_cluster_resolver(resolver: ClusterResolver, gpus: int = 0):
         num_accelerators={"GPU": gpus} if gpus else None)
 
 
-def lost_ranks(text: str, resolver: ClusterResolver, own_rank: int) -> list[int]:
-    """The peers' ranks a TF lost-peer error names (`/job:worker/replica:0/task:N`), in order.
-
-    When TF lists unhealthy tasks ("tasks are unhealthy (stopped sending heartbeats): ...")
-    only that list counts; this worker itself is never reported.
-
-    Example:
-
-    >>> from keras_mwms.cluster import SimpleClusterResolver
-    >>> resolver = SimpleClusterResolver({"worker": ["h0:1", "h1:2", "h2:3"]}, "worker", 0)
-    >>> lost_ranks("/job:worker/replica:0/task:0 saw: the following tasks are unhealthy "
-    ...            "(stopped sending heartbeats): /job:worker/replica:0/task:2", resolver, 0)
-    [2]
-    """
-    listed = text.split("unhealthy", 1)[1] if "unhealthy" in text else text
-    ranks: list[int] = []
-    for job, index in _TASK_PATTERN.findall(listed):
-        task = (job, int(index))
-        if task in resolver.group_tasks:
-            rank = resolver.group_tasks.index(task)
-            if rank != own_rank and rank not in ranks:
-                ranks.append(rank)
-    return ranks
-
-
-def _lost_peer_detail(error: BaseException) -> RuntimeError:
-    """TF's lost-peer error reduced to its telling line (TF's own error chained as the cause)."""
-    text = str(error)
-    reason = next((line.strip() for line in text.splitlines()
-                   if "unhealthy" in line or "aborted" in line.lower()),
-                  text.splitlines()[0] if text else "")
-    detail = RuntimeError(f"{type(error).__name__}: {reason[:300]}")
-    detail.__cause__ = error
-    return detail
-
-
 class TensorFlowBackend(Backend):
     """Multi-worker training on the TensorFlow backend, through TF's own collectives.
 
@@ -164,6 +126,7 @@ class TensorFlowBackend(Backend):
             resolve_engine(options.implementation, self.gpu_count).upper())
         self.strategy = None
         self.row_weighting: RowWeighting | None = None
+        self.faults = TensorFlowFaults(self)   # lost peers: `keras_mwms.backends.faults`
 
     @staticmethod
     def version() -> str:
@@ -257,28 +220,6 @@ class TensorFlowBackend(Backend):
 
     def trains_on_all_workers(self, model: Any) -> bool:
         return self.uses(model)
-
-    def raise_if_worker_lost(self, where: str, error: BaseException) -> None:
-        """Turns TF's lost-peer errors (heartbeats, aborted collectives) into `WorkerLostError`.
-
-        Mismatched collectives ("Collective instance 177 expected type 0 and data_type 1 but
-        got type 0 and data_type 9", an `InternalError` on every worker) are a desync: the
-        report round names it and ends the job (`keras_mwms.diagnostics.confirm_lost`).
-        Other errors, and any error on one worker, return unchanged for the caller to re-raise.
-        """
-        import tensorflow as tf
-
-        if self.num_workers == 1:
-            return
-        if isinstance(error, tf.errors.InternalError) and _MISMATCH in str(error):
-            diagnostics.confirm_lost(where)
-            return
-        lost_peer_errors = (tf.errors.UnavailableError, tf.errors.AbortedError,
-                            tf.errors.DeadlineExceededError)
-        if not isinstance(error, lost_peer_errors):
-            return
-        self.worker_lost(where, _lost_peer_detail(error),
-                         lost_ranks(str(error), self.resolver, self.worker_index))
 
     # -- tf.distribute-style surface ------------------------------------------------------
     @property

@@ -87,13 +87,8 @@ class TensorFlowFitHooks(fit_call.FitHooks):
             return _predict_on_this_worker(call)
         return call.keras()
 
-    @contextlib.contextmanager
-    def guard(self, call: fit_call.FitCall):
-        try:
-            yield
-        except Exception as error:
-            call.backend.raise_if_worker_lost(call.where, error)
-            raise
+    def guard(self, call: fit_call.FitCall) -> contextlib.AbstractContextManager:
+        return call.backend.faults.guarded(call.where)   # `tensorflow.faults`: TF's own errors name the peers
 
 
 def _compile_without_xla(model: Any) -> None:

@@ -7,7 +7,8 @@
 * **collectives** — the collective port (`all_reduce`, `broadcast_object`, `barrier`) and its
   torch forms: bucketed flat all-reduces (`all_reduce_flat`) and broadcasts
   (`broadcast_tensors`). Every one runs `guarded`: a crashed or hung peer ends *this* worker
-  with `keras_mwms.WorkerLostError` naming the lost worker(s) (`keras_mwms.backends.torch.faults`).
+  with `keras_mwms.WorkerLostError` naming the lost worker(s) (`keras_mwms.backends.faults`;
+  torch's hook: `keras_mwms.backends.torch.faults`).
 * **leave** — the process group is destroyed in order, at `strategy.close()` or at exit.
 
 One replica per worker process (one CPU or one GPU); several GPUs per worker are out of scope:
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from keras_mwms import devices, network
 from keras_mwms.backends import policy
 from keras_mwms.backends.base import Backend
+from keras_mwms.backends.faults import bounded
 from keras_mwms.backends.torch import faults
 from keras_mwms.cluster import ClusterResolver, split_address
 from keras_mwms.communication import CommunicationImplementation, CommunicationOptions
@@ -110,7 +112,7 @@ class TorchEngine(Backend):
         super().__init__(resolver, options, tf_config_at_creation)
         self.timeout_seconds = float(options.timeout_seconds or DEFAULT_COLLECTIVE_TIMEOUT_SECONDS)
         self.bucket_bytes = options.bytes_per_pack or DEFAULT_BUCKET_BYTES
-        self.lost_worker_checks = 0     # numbers the liveness windows (`faults.find_lost_workers`)
+        self.faults = faults.TorchFaults(self)   # lost peers: `keras_mwms.backends.faults`
         self._engine: str | None = None
         self._joined = False
         # A process group the launcher started before the script (Ray's TorchTrainer) is joined,
@@ -261,12 +263,12 @@ class TorchEngine(Backend):
         """Leaves without the ordered sign-off (a peer is lost), bounded in time."""
         self._tcp_store = None
         self._joined = False
-        faults.run_bounded(self.destroy_process_group)
+        bounded(self.destroy_process_group, faults.TEARDOWN_SECONDS)
 
     # -- collectives ----------------------------------------------------------------------
     def guarded(self, what: str) -> contextlib.AbstractContextManager:
         """Runs collectives; a failure becomes `keras_mwms.WorkerLostError` naming the lost workers."""
-        return faults.guarded(self, what)
+        return self.faults.guarded(what)
 
     def all_reduce_flat(self, tensors: Sequence[torch.Tensor], op: str = "sum",
                         what: str = "all-reduce") -> list[torch.Tensor]:
