@@ -17,7 +17,10 @@
   (launcher, CLI, demo, benchmark), whose output is their job;
 - only the Keras firewall (`keras_mwms/backends/keras_api/`) names `keras.src`;
 - no function anywhere in the package is longer than 100 lines (nested ones included): a
-  feature interaction gets a function of its own that can be tested alone.
+  feature interaction gets a function of its own that can be tested alone;
+- lost workers have one home: every backend subpackage has a `faults.py` with one `Faults`
+  hook, and only the flow in `keras_mwms/backends/faults.py` reports a lost worker (the message
+  and the bounded exit are the policy's, called from there alone).
 """
 
 from __future__ import annotations
@@ -370,3 +373,45 @@ def test_each_backend_names_its_patch_table_alike_and_supplies_one_fit_hooks():
         hooks = [path.name for path in (PACKAGE / "backends" / adapter).glob("*.py")
                  if "FitHooks" in _top_level(path)[1]]
         assert len(hooks) == 1, (adapter, hooks)
+
+
+# Who may call each step of the lost-worker report: the flow in `backends/faults.py` calls the
+# port's `worker_lost`, `base.Backend.worker_lost` the policy, the policy its message and exit.
+LOST_WORKER_CALLERS = {
+    "worker_lost": {"keras_mwms.backends.faults"},
+    "raise_worker_lost": {"keras_mwms.backends.base"},
+    "lost_worker_message": {"keras_mwms.backends.policy"},
+    "start_exit_watchdog": {"keras_mwms.backends.policy", "keras_mwms.backends.faults"},
+}
+
+
+def lost_worker_calls(modules: dict[str, Path]) -> list[str]:
+    """`path:line name` of every call of a lost-worker report step outside its one caller."""
+    found = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                called = getattr(node.func, "attr", getattr(node.func, "id", ""))
+                if called in LOST_WORKER_CALLERS and name not in LOST_WORKER_CALLERS[called]:
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {called}")
+    return found
+
+
+def test_lost_workers_have_one_home_and_a_hook_per_backend():
+    """`backends/faults.py` owns the lost-worker flow (the check-in round, the one message, the
+    bounded exit); each backend's `faults.py` subclasses its `Faults` once, with the hook."""
+    for adapter in ADAPTERS:
+        path = PACKAGE / "backends" / adapter / "faults.py"
+        assert path.exists(), f"backends/{adapter} has no faults.py"
+        hooks = [node.name for node in ast.parse(path.read_text()).body if isinstance(node, ast.ClassDef)
+                 and any(getattr(base, "id", "") == "Faults" for base in node.bases)]
+        assert len(hooks) == 1, (adapter, hooks)
+    assert lost_worker_calls(module_files()) == [], "a backend supplies a Faults hook; the flow reports"
+
+
+def test_the_lost_worker_call_finder_finds_a_stray_report(tmp_path, monkeypatch):
+    (tmp_path / "stray.py").write_text("backend.worker_lost('x', None, [1])\npolicy.start_exit_watchdog(3)\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path)
+    assert lost_worker_calls({"keras_mwms.backends.faults": tmp_path / "stray.py"}) == []
+    assert lost_worker_calls({"keras_mwms.backends.jax.engine": tmp_path / "stray.py"}) == [
+        "stray.py:1 worker_lost", "stray.py:2 start_exit_watchdog"]

@@ -4,7 +4,8 @@ One subpackage per Keras backend (`tensorflow`, `jax`, `torch`), each defining a
 subclass of `base.Backend` (the engine interface and its collective port) and its private
 Keras patches as one `patches.PatchTable`: every row named, with the upstream issue it works
 around and the Keras releases it was tested on. What is the same on every backend lives once,
-in `policy` (row checks, dummy rows, metric reduction, lost-worker message and exit).
+in `policy` (row checks, dummy rows, metric reduction, lost-worker message and exit) and
+`faults` (how every backend finds and reports a lost worker, each supplying a small hook).
 """
 
 from __future__ import annotations

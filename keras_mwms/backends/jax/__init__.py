@@ -2,8 +2,8 @@
 
 * `engine` — `jax.distributed` start-up (coordinator and gloo bound to the `TF_CONFIG` hosts),
   the training path, the collective port, `strategy.scope()`; the `JaxBackend` class;
-* `faults` — which peer a failed collective lost, named in `keras_mwms.WorkerLostError`, and
-  an exit that skips JAX's shutdown barrier;
+* `faults` — the lost-worker hook (the flow is `keras_mwms.backends.faults`): which peer a
+  failed collective lost, and an exit that skips JAX's shutdown barrier;
 * `surface` — the tf.distribute-style `run`, `reduce`, local results and distributed datasets;
 * `patches` — the private-Keras patch table (`PATCHES`);
 * `data` — global batches placed for each path (rows per worker, global arrays);

@@ -5,7 +5,9 @@ peers, and repairs what Keras 3.15.1's TensorFlow trainer gets wrong under it. O
 module:
 
 - `engine` — `TensorFlowBackend`: join after the rendezvous, the collective port
-  (`all_reduce`, `broadcast_object`, `barrier`), lost-peer detection;
+  (`all_reduce`, `broadcast_object`, `barrier`);
+- `faults` — the lost-worker hook: the peers TF's own errors name (the flow is
+  `keras_mwms.backends.faults`);
 - `patches` — the one table of Keras/TF internals patched (the two Keras crash repairs, the
   trainer wrappers, the row weighting), installed by the strategy and removed at `close()`;
 - `trainer` — the `fit` / `evaluate` / `predict` wrappers that keep N workers equivalent to one

@@ -5,7 +5,7 @@ Keras 3.15.1 has no multi-process support on torch, so this adapter supplies all
 | module | what |
 |---|---|
 | `engine` | join `torch.distributed` at the chief's address, the collective port, ordered teardown |
-| `faults` | a failed collective becomes `keras_mwms.WorkerLostError` naming the lost worker(s) |
+| `faults` | the lost-worker hook: gloo/nccl errors, the check-in on the TCPStore (the flow is `keras_mwms.backends.faults`) |
 | `scope` | variables created in `strategy.scope()` take the chief's values at its exit |
 | `backend` | `TorchBackend`: the engine, the scope and the tf.distribute-style surface |
 | `patches` | the private-Keras patches (`PATCHES`, `patch_table`), installed while the strategy is open |
