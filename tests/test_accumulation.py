@@ -16,16 +16,22 @@ workers bit-identical, within 1e-5 of one process, the same optimizer step count
 the backend all-reduces once per optimizer step (torch, the JAX flat path), the ledger's count
 of gradient all-reduces: one per K micro-steps on every backend, beside one small all-reduce
 per micro-step (on TensorFlow inside the step's graph, not counted one by one).
+
+A TensorFlow worker with several local replicas (GPUs) is checked in one process over two
+logical CPU devices (`tests/workers/tf_local_replicas.py`): TF's multi-worker strategy takes
+local replicas from GPUs only, and no GPU machine here has TensorFlow.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 
 import pytest
 
-from tests.multiworker import Spawn, gang_spawns, python_worker, run_processes, worker_env
+from keras_mwms.backends.compression import relative_rounding
+from tests.multiworker import Spawn, gang_spawns, python_worker, run_one_process, run_processes, worker_env
 from tests.workers.common import max_weight_difference
 from tests.workers.fit_scenario import load_dump
 
@@ -102,6 +108,29 @@ def _set_up_collectives(name: str) -> int:
     """The bound on collectives that are not per micro-step: fit's own set-up, and one per fit
     for the end-of-fit check that the workers agree (`keras_mwms.backends.consistency`)."""
     return 10 + FITS.get(name, 1)
+
+
+@pytest.mark.tensorflow
+def test_tensorflow_local_replicas_accumulate_and_compress():
+    """Two local replicas (logical CPUs): K = 2 all-reduces once per window, = one device
+    (≤ 1e-5); bf16 halves the window's bytes, with and without accumulation, within the
+    16-bit rounding bound (`tests/test_compression.py`'s, C = 4)."""
+    output = run_one_process(python_worker("tf_local_replicas.py"), RUN_TIMEOUT, env=worker_env("tensorflow"))
+    report = json.loads(next(line for line in output.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+    assert report["replicas"] == 2
+    micro_steps = 12                      # 2 epochs of 192 rows in global batches of 32
+    for name in ("k2", "k2_bf16"):
+        run = report[name]
+        assert run["iterations"] == micro_steps // 2, (name, run)
+        assert run["kinds"] == {"gradient all-reduce": micro_steps // 2}, (name, run)
+    assert report["k2"]["delta"] <= TOLERANCE, report["k2"]
+    # The window (161 float32 gradients, 644 bytes) every 2nd micro-step, and the traced row count.
+    assert report["k2"]["wire"] == 644 / 2 + 4 and report["k2_bf16"]["wire"] == 322 / 2 + 4, report
+    assert report["bf16"]["wire"] == 322 + 4, report["bf16"]   # every step, in 16 bits
+    for name in ("k2_bf16", "bf16"):
+        run, bound = report[name], 4 * 2 * relative_rounding("bf16") * report[name]["path"]
+        print(f"tensorflow local replicas {name}: max |Δw| {run['delta']:.3g} vs one device, bound {bound:.3g}")
+        assert 1e-5 < run["delta"] <= bound, (name, run, bound)
 
 
 # -- pure rules (no processes) -----------------------------------------------------------------
