@@ -40,7 +40,11 @@ TOLERANCE = 1e-5
 BASE = ["--verbose", "0", "--seed", "100", "--rows", "200", "--batch-size", "31"]
 SCENARIOS = {"k2": ["--accumulation", "2"], "k3": ["--accumulation", "3", "--optimizer", "adam"],
              "k3fits": ["--accumulation", "3", "--epochs", "1", "--fits", "2"]}
-STEPS = {"k2": 2, "k3": 3, "k3fits": 3}
+# JAX's DataParallel path (BatchNormalization with global moments, a custom train_step): the
+# gang of the same run, the batches of 31 rows replicated over the devices, the last (14) sharded.
+DATA_PARALLEL = {"k2_batchnorm": ["--accumulation", "2", "--batch-norm", "local"],
+                 "k2_custom_step": ["--accumulation", "2", "--custom-train-step"]}
+STEPS = {"k2": 2, "k3": 3, "k3fits": 3, "k2_batchnorm": 2, "k2_custom_step": 2}
 FITS = {"k3fits": 2}        # fit calls per scenario (default 1)
 MICRO_STEPS = 14           # 2 epochs of ceil(200 / 31) = 7 batches
 BACKENDS = [pytest.param("tensorflow", marks=pytest.mark.tensorflow),
@@ -48,8 +52,13 @@ BACKENDS = [pytest.param("tensorflow", marks=pytest.mark.tensorflow),
             pytest.param("torch", marks=pytest.mark.torch)]
 
 
-def _command(out: str) -> list[str]:
-    scenarios = [part for name, flags in SCENARIOS.items() for part in ("--scenario", f"{name}: {shlex.join(flags)}")]
+def _scenarios(backend: str) -> dict:
+    return {**SCENARIOS, **DATA_PARALLEL} if backend == "jax" else SCENARIOS
+
+
+def _command(out: str, backend: str) -> list[str]:
+    scenarios = [part for name, flags in _scenarios(backend).items()
+                 for part in ("--scenario", f"{name}: {shlex.join(flags)}")]
     return python_worker("fit_scenario.py", out, *BASE, *scenarios)
 
 
@@ -58,8 +67,8 @@ def runs(request, tmp_path_factory):
     """The backend's gang (both scenarios) and the one-process reference, run at the same time."""
     backend = request.param
     root = tmp_path_factory.mktemp(f"accumulation-{backend}")
-    spawns = gang_spawns(_command(str(root / "gang")), 2, worker_env(backend))
-    spawns.append(Spawn(_command(str(root / "reference")), worker_env(backend)))
+    spawns = gang_spawns(_command(str(root / "gang"), backend), 2, worker_env(backend))
+    spawns.append(Spawn(_command(str(root / "reference"), backend), worker_env(backend)))
     ran = run_processes(spawns, timeout=RUN_TIMEOUT, grace_after_failure=60)
     assert ran.codes == [0, 0, 0], ran.log()
     return backend, root
@@ -70,9 +79,11 @@ def _dump(root, run: str, name: str, index: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize("name", list(SCENARIOS) + list(DATA_PARALLEL))
 def test_accumulating_workers_match_one_process(runs, name):
     backend, root = runs
+    if name not in _scenarios(backend):
+        pytest.skip(f"{name}: a JAX DataParallel scenario")
     first, second = _dump(root, "gang", name, 0), _dump(root, "gang", name, 1)
     reference = _dump(root, "reference", name, 0)
     assert first["batches"] == reference["batches"] == [7, 7], (backend, name)
@@ -87,15 +98,19 @@ def test_accumulating_workers_match_one_process(runs, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize("name", list(SCENARIOS) + list(DATA_PARALLEL))
 def test_gradients_are_all_reduced_once_per_optimizer_step(runs, name):
     backend, root = runs
+    if name not in _scenarios(backend):
+        pytest.skip(f"{name}: a JAX DataParallel scenario")
     counts = _dump(root, "gang", name, 0)["fit_collectives"]
     updates = MICRO_STEPS // STEPS[name]
     assert counts.get("gradient all-reduce") == updates, (backend, name, counts)
-    if backend == "tensorflow":
-        # The window all-reduce is counted from the graph when it runs; the step's row-count
-        # all-reduce lives inside the step's tf.function, where the ledger sees the step only.
+    if backend == "tensorflow" or name in DATA_PARALLEL:
+        # The window all-reduce is counted when it runs (TF: from the graph; JAX DataParallel:
+        # a micro-step's program has no gradient collective); the step's small collectives (row
+        # count; BatchNormalization moments, metric states) live in its compiled step, where
+        # the ledger sees the step only.
         assert counts.get("train step (in-graph collectives)") == MICRO_STEPS, (backend, name, counts)
         assert sum(counts.values()) <= MICRO_STEPS + updates + _set_up_collectives(name), (backend, name, counts)
         return

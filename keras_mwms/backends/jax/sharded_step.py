@@ -198,15 +198,27 @@ class ShardedTrainStep:
         axis = self._axis
         if wire is None:
             return jax.lax.psum(total, axis)
-        if wire == "bfloat16":
-            return from_wire(jax.lax.all_gather(to_wire(total, wire), axis), str(total.dtype), wire)
-        return jax.lax.psum(to_wire(total, wire), axis).astype(total.dtype)
+        gather = _all_gather_invariant() if wire == "bfloat16" else None
+        if gather is not None:
+            return from_wire(gather(to_wire(total, wire), axis), str(total.dtype), wire)
+        return jax.lax.psum(total.astype(wire), axis).astype(total.dtype)
 
     def _global_results(self, global_metrics):
         from keras import StatelessScope
 
         with StatelessScope(state_mapping=list(zip(self._model.metrics_variables, global_metrics))):
             return self._model.get_metrics_result()
+
+
+def _all_gather_invariant():
+    """JAX's all-gather whose result is typed the same on every device (private in jax 0.10;
+    `jax.lax.all_gather`'s is typed per device, which a replicated output refuses). Without
+    it bf16 is summed by `psum` in bf16 (XLA on CPU then sends float32 bytes)."""
+    try:
+        from jax._src.lax.parallel import all_gather_invariant
+    except ImportError:
+        return None
+    return all_gather_invariant
 
 
 def _varying(value, axis: str):

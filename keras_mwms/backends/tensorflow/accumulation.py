@@ -65,6 +65,19 @@ def worker_share(local_shares: tuple) -> Any:
     return total
 
 
+def on_first_replica(tensor: Any, devices: tuple) -> Any:
+    """A `PerReplica` for this worker's local replicas on `devices`: `tensor` on the first,
+    zeros on the others, so a sum over every replica adds `tensor` once per worker (exactly)."""
+    import tensorflow as tf
+    from tensorflow.python.distribute import values as distribute_values
+
+    local = [tensor]
+    for device in devices[1:]:
+        with tf.device(device):
+            local.append(tf.zeros_like(tensor))
+    return distribute_values.PerReplica(tuple(local))
+
+
 def count_window_all_reduce(nbytes: int) -> None:
     """Counts one executed window all-reduce of `nbytes` (called from the graph when it runs).
 

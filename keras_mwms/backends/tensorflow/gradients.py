@@ -58,6 +58,7 @@ from keras_mwms.backends.tensorflow.accumulation import (
     accumulate_or_apply,
     accumulates_locally,
     count_window_all_reduce,
+    on_first_replica,
     worker_share,
 )
 
@@ -382,19 +383,11 @@ class RowWeighting:
         With several local replicas the tensor rides on the first and the others send zeros.
         """
         import tensorflow as tf
-        from tensorflow.python.distribute import values as distribute_values
 
         wires = _wires(self.compression(), tensors)
         nbytes = _wire_bytes(tensors, wires)
-        devices = distribution.extended.worker_devices
-        sent = []
-        for tensor, wire in zip(tensors, wires):
-            tensor = tf.cast(tensor, wire) if wire else tensor
-            local = [tensor]
-            for device in devices[1:]:
-                with tf.device(device):
-                    local.append(tf.zeros_like(tensor))
-            sent.append(distribute_values.PerReplica(tuple(local)))
+        sent = [on_first_replica(tf.cast(tensor, wire) if wire else tensor, distribution.extended.worker_devices)
+                for tensor, wire in zip(tensors, wires)]
         summed = distribution.extended.batch_reduce_to(
             tf.distribute.ReduceOp.SUM, [(value, value) for value in sent])
         totals = [tf.cast(distribution.experimental_local_results(total)[0], tensor.dtype)
