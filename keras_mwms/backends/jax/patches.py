@@ -35,6 +35,10 @@ The rows, by what they achieve:
   (`keras_mwms.backends.jax.flat`) the train step is split around one flat all-reduce, a worker
   with no rows of a step leaves its metric state alone, and results come from the all-worker
   metric state.
+* **DataParallel step of keras_mwms** (inside `flat-train-step`, and `sharded-batch-norm-moments`)
+  — with gradient accumulation or compression a DataParallel model's step runs in `shard_map`
+  (`keras_mwms.backends.jax.sharded_step`), so keras_mwms issues its gradient collective: once
+  per K micro-steps, in 16 bits when compressing; BatchNormalization's moments stay global.
 
 A lost peer during any of them becomes `keras_mwms.WorkerLostError` naming it
 (`keras_mwms.backends.jax.faults`).

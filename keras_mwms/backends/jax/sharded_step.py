@@ -177,8 +177,10 @@ class ShardedTrainStep:
         new_non_trainable = [_mean_if_varying(new, one, axis) for new in new_non_trainable]
         global_metrics = []
         for old, new, operation in zip(metrics, new_metrics, self._reductions):
-            if operation == "sum":
-                global_metrics.append(old + jax.lax.psum(one(new - old), axis))
+            if operation == "sum":   # every device's update counts, of a replicated batch the first's
+                delta = _varying(new - old, axis)
+                global_metrics.append(old + jax.lax.psum(delta if sharded else delta * first.astype(delta.dtype),
+                                                         axis))
             elif operation in ("max", "min"):
                 reduce = jax.lax.pmax if operation == "max" else jax.lax.pmin
                 global_metrics.append(reduce(_varying(new, axis), axis))
