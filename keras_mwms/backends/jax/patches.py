@@ -54,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import warnings
 from typing import Any
 
 import numpy as np
@@ -310,12 +311,19 @@ def _flat_function(attribute: str, build):
             if not _on_flat_path(backend, self):
                 if attribute == "train_function" and sharded_step.wanted(
                         backend.options.compression, policy.accumulation_steps(self.optimizer)):
-                    # Accumulation or compression: keras_mwms issues the gradient collective.
-                    force = signature.bind(self, *args, **kwargs).arguments.get("force", False)
-                    if self.train_function is None or force:
-                        self.train_function = counted_in_graph(flat.iterator_function(
-                            self, sharded_step.make_sharded_train_step(self, backend)))
-                    return self.train_function
+                    random_layer = sharded_step.draws_random_numbers(self)
+                    if random_layer is None:   # keras_mwms issues the gradient collective
+                        force = signature.bind(self, *args, **kwargs).arguments.get("force", False)
+                        if self.train_function is None or force:
+                            self.train_function = counted_in_graph(flat.iterator_function(
+                                self, sharded_step.make_sharded_train_step(self, backend)))
+                        return self.train_function
+                    if backend.options.compression:
+                        warnings.warn(f"compression={backend.options.compression!r} is not applied to "
+                                      f"{type(self).__name__}: its layer {random_layer!r} draws random "
+                                      "numbers, so it keeps XLA's DataParallel step, whose gradients travel "
+                                      "in float32 (and every micro-step of gradient accumulation).",
+                                      stacklevel=3)
                 result = original(self, *args, **kwargs)
                 if attribute == "train_function":   # XLA's all-reduce: one ledger entry per step
                     self.train_function = counted_in_graph(self.train_function)

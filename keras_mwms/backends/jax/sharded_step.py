@@ -26,8 +26,10 @@ micro-step count, so a micro-step's program has no gradient collective at all; e
 counted in the collective ledger (`gradient all-reduce`) with its bytes (`WIRE`).
 
 The loss must be a mean over the batch (Keras' default reduction), as on the flat path: the
-global gradient is the mean of the devices' gradients. Random layers (Dropout) draw their
-masks per device, not one process's mask over the global batch.
+global gradient is the mean of the devices' gradients. A model with random layers (Dropout,
+noise) keeps XLA's step, gradients all-reduced every micro-step in float32 (a warning says so
+when compression was asked for): in `shard_map` each device would draw its mask from the same
+seed, not one process's mask over the global batch.
 
 Example:
 
@@ -44,6 +46,7 @@ import numpy as np
 from keras_mwms.backends import policy
 from keras_mwms.backends.compression import WIRE, wire_dtype
 from keras_mwms.backends.jax.flat_payload import MicroStepCounter, from_wire, to_wire
+from keras_mwms.backends.keras_api import attributes
 
 _TRACING: list = []   # (axis name, batch sharded) while a sharded step is traced
 
@@ -51,6 +54,20 @@ _TRACING: list = []   # (axis name, batch sharded) while a sharded step is trace
 def wanted(compression: str | None, accumulation_steps: int) -> bool:
     """Whether the DataParallel path should run this module's step instead of XLA's."""
     return bool(compression) or accumulation_steps > 0
+
+
+def draws_random_numbers(model) -> str | None:
+    """The first layer of `model` holding a `keras.random.SeedGenerator` (Dropout, noise), or None.
+
+    In `shard_map` such a layer would draw each device's mask from the same seed, not one
+    process's mask over the global batch, so those models keep XLA's step (exact).
+    """
+    from keras.random import SeedGenerator
+
+    for layer in attributes.flatten_layers(model):
+        if any(isinstance(value, SeedGenerator) for value in vars(layer).values()):
+            return layer.name
+    return None
 
 
 def global_moments(layer, inputs, mask, original):
