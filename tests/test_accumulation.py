@@ -17,6 +17,10 @@ the backend all-reduces once per optimizer step (torch, the JAX flat path), the 
 of gradient all-reduces: one per K micro-steps on every backend, beside one small all-reduce
 per micro-step (on TensorFlow inside the step's graph, not counted one by one).
 
+The JAX gang also runs two DataParallel-path scenarios (`k2_batchnorm`: BatchNormalization with
+global moments; `k2_custom_step`: a custom `train_step`), K = 2: its step runs in `shard_map`,
+a micro-step's program has no gradient collective and the K-th's is counted when it runs.
+
 A TensorFlow worker with several local replicas (GPUs) is checked in one process over two
 logical CPU devices (`tests/workers/tf_local_replicas.py`): TF's multi-worker strategy takes
 local replicas from GPUs only, and no GPU machine here has TensorFlow.

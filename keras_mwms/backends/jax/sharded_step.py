@@ -177,10 +177,9 @@ class ShardedTrainStep:
                 grads = [jnp.zeros(g.shape, g.dtype) for g in grads]
                 new_window = [t[None] for t in totals]
             applied.append(new_window)
-            return self._original_apply(optimizer_vars, grads, trainable)
+            return original(optimizer_vars, grads, trainable)   # Keras' own, bound below
 
         with _tracing(axis, sharded), _intercept(self._optimizer, stateless_apply) as original:
-            self._original_apply = original
             logs, (new_trainable, new_non_trainable, optimizer_variables, new_metrics) = self._model.train_step(
                 (jax.lax.pcast(trainable, axis, to="varying"), non_trainable, optimizer_variables, metrics),
                 batch)
