@@ -16,16 +16,26 @@ workers bit-identical, within 1e-5 of one process, the same optimizer step count
 the backend all-reduces once per optimizer step (torch, the JAX flat path), the ledger's count
 of gradient all-reduces: one per K micro-steps on every backend, beside one small all-reduce
 per micro-step (on TensorFlow inside the step's graph, not counted one by one).
+
+The JAX gang also runs two DataParallel-path scenarios (`k2_batchnorm`: BatchNormalization with
+global moments; `k2_custom_step`: a custom `train_step`), K = 2: its step runs in `shard_map`,
+a micro-step's program has no gradient collective and the K-th's is counted when it runs.
+
+A TensorFlow worker with several local replicas (GPUs) is checked in one process over two
+logical CPU devices (`tests/workers/tf_local_replicas.py`): TF's multi-worker strategy takes
+local replicas from GPUs only, and no GPU machine here has TensorFlow.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 
 import pytest
 
-from tests.multiworker import Spawn, gang_spawns, python_worker, run_processes, worker_env
+from keras_mwms.backends.compression import relative_rounding
+from tests.multiworker import Spawn, gang_spawns, python_worker, run_one_process, run_processes, worker_env
 from tests.workers.common import max_weight_difference
 from tests.workers.fit_scenario import load_dump
 
@@ -34,7 +44,11 @@ TOLERANCE = 1e-5
 BASE = ["--verbose", "0", "--seed", "100", "--rows", "200", "--batch-size", "31"]
 SCENARIOS = {"k2": ["--accumulation", "2"], "k3": ["--accumulation", "3", "--optimizer", "adam"],
              "k3fits": ["--accumulation", "3", "--epochs", "1", "--fits", "2"]}
-STEPS = {"k2": 2, "k3": 3, "k3fits": 3}
+# JAX's DataParallel path (BatchNormalization with global moments, a custom train_step): the
+# gang of the same run, the batches of 31 rows replicated over the devices, the last (14) sharded.
+DATA_PARALLEL = {"k2_batchnorm": ["--accumulation", "2", "--batch-norm", "local"],
+                 "k2_custom_step": ["--accumulation", "2", "--custom-train-step"]}
+STEPS = {"k2": 2, "k3": 3, "k3fits": 3, "k2_batchnorm": 2, "k2_custom_step": 2}
 FITS = {"k3fits": 2}        # fit calls per scenario (default 1)
 MICRO_STEPS = 14           # 2 epochs of ceil(200 / 31) = 7 batches
 BACKENDS = [pytest.param("tensorflow", marks=pytest.mark.tensorflow),
@@ -42,8 +56,13 @@ BACKENDS = [pytest.param("tensorflow", marks=pytest.mark.tensorflow),
             pytest.param("torch", marks=pytest.mark.torch)]
 
 
-def _command(out: str) -> list[str]:
-    scenarios = [part for name, flags in SCENARIOS.items() for part in ("--scenario", f"{name}: {shlex.join(flags)}")]
+def _scenarios(backend: str) -> dict:
+    return {**SCENARIOS, **DATA_PARALLEL} if backend == "jax" else SCENARIOS
+
+
+def _command(out: str, backend: str) -> list[str]:
+    scenarios = [part for name, flags in _scenarios(backend).items()
+                 for part in ("--scenario", f"{name}: {shlex.join(flags)}")]
     return python_worker("fit_scenario.py", out, *BASE, *scenarios)
 
 
@@ -52,8 +71,8 @@ def runs(request, tmp_path_factory):
     """The backend's gang (both scenarios) and the one-process reference, run at the same time."""
     backend = request.param
     root = tmp_path_factory.mktemp(f"accumulation-{backend}")
-    spawns = gang_spawns(_command(str(root / "gang")), 2, worker_env(backend))
-    spawns.append(Spawn(_command(str(root / "reference")), worker_env(backend)))
+    spawns = gang_spawns(_command(str(root / "gang"), backend), 2, worker_env(backend))
+    spawns.append(Spawn(_command(str(root / "reference"), backend), worker_env(backend)))
     ran = run_processes(spawns, timeout=RUN_TIMEOUT, grace_after_failure=60)
     assert ran.codes == [0, 0, 0], ran.log()
     return backend, root
@@ -64,9 +83,11 @@ def _dump(root, run: str, name: str, index: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize("name", list(SCENARIOS) + list(DATA_PARALLEL))
 def test_accumulating_workers_match_one_process(runs, name):
     backend, root = runs
+    if name not in _scenarios(backend):
+        pytest.skip(f"{name}: a JAX DataParallel scenario")
     first, second = _dump(root, "gang", name, 0), _dump(root, "gang", name, 1)
     reference = _dump(root, "reference", name, 0)
     assert first["batches"] == reference["batches"] == [7, 7], (backend, name)
@@ -81,15 +102,19 @@ def test_accumulating_workers_match_one_process(runs, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize("name", list(SCENARIOS) + list(DATA_PARALLEL))
 def test_gradients_are_all_reduced_once_per_optimizer_step(runs, name):
     backend, root = runs
+    if name not in _scenarios(backend):
+        pytest.skip(f"{name}: a JAX DataParallel scenario")
     counts = _dump(root, "gang", name, 0)["fit_collectives"]
     updates = MICRO_STEPS // STEPS[name]
     assert counts.get("gradient all-reduce") == updates, (backend, name, counts)
-    if backend == "tensorflow":
-        # The window all-reduce is counted from the graph when it runs; the step's row-count
-        # all-reduce lives inside the step's tf.function, where the ledger sees the step only.
+    if backend == "tensorflow" or name in DATA_PARALLEL:
+        # The window all-reduce is counted when it runs (TF: from the graph; JAX DataParallel:
+        # a micro-step's program has no gradient collective); the step's small collectives (row
+        # count; BatchNormalization moments, metric states) live in its compiled step, where
+        # the ledger sees the step only.
         assert counts.get("train step (in-graph collectives)") == MICRO_STEPS, (backend, name, counts)
         assert sum(counts.values()) <= MICRO_STEPS + updates + _set_up_collectives(name), (backend, name, counts)
         return
@@ -102,6 +127,29 @@ def _set_up_collectives(name: str) -> int:
     """The bound on collectives that are not per micro-step: fit's own set-up, and one per fit
     for the end-of-fit check that the workers agree (`keras_mwms.backends.consistency`)."""
     return 10 + FITS.get(name, 1)
+
+
+@pytest.mark.tensorflow
+def test_tensorflow_local_replicas_accumulate_and_compress():
+    """Two local replicas (logical CPUs): K = 2 all-reduces once per window, = one device
+    (≤ 1e-5); bf16 halves the window's bytes, with and without accumulation, within the
+    16-bit rounding bound (`tests/test_compression.py`'s, C = 4)."""
+    output = run_one_process(python_worker("tf_local_replicas.py"), RUN_TIMEOUT, env=worker_env("tensorflow"))
+    report = json.loads(next(line for line in output.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+    assert report["replicas"] == 2
+    micro_steps = 12                      # 2 epochs of 192 rows in global batches of 32
+    for name in ("k2", "k2_bf16"):
+        run = report[name]
+        assert run["iterations"] == micro_steps // 2, (name, run)
+        assert run["kinds"] == {"gradient all-reduce": micro_steps // 2}, (name, run)
+    assert report["k2"]["delta"] <= TOLERANCE, report["k2"]
+    # The window (161 float32 gradients, 644 bytes) every 2nd micro-step, and the traced row count.
+    assert report["k2"]["wire"] == 644 / 2 + 4 and report["k2_bf16"]["wire"] == 322 / 2 + 4, report
+    assert report["bf16"]["wire"] == 322 + 4, report["bf16"]   # every step, in 16 bits
+    for name in ("k2_bf16", "bf16"):
+        run, bound = report[name], 4 * 2 * relative_rounding("bf16") * report[name]["path"]
+        print(f"tensorflow local replicas {name}: max |Δw| {run['delta']:.3g} vs one device, bound {bound:.3g}")
+        assert 1e-5 < run["delta"] <= bound, (name, run, bound)
 
 
 # -- pure rules (no processes) -----------------------------------------------------------------

@@ -43,9 +43,12 @@ FLOAT32_NOISE = 1e-5       # an uncompressed gang's distance from one process (t
 BASE = ["--verbose", "0", "--seed", "100", "--momentum", "0", "--evaluate-on", "training"]
 SCENARIOS = {"plain": [], "bf16": ["--compression", "bf16"], "fp16": ["--compression", "fp16"],
              # torch's other gradient path: all-reduced after backward (also jit_compile, custom steps)
-             "bf16_after_backward": ["--compression", "bf16", "--no-torch-overlap"]}
-COMPRESSED = {"tensorflow": ("bf16", "fp16"), "jax": ("bf16", "fp16"), "torch": ("bf16", "fp16", "bf16_after_backward")}
-WIRE_TYPE = {"bf16": "bf16", "fp16": "fp16", "bf16_after_backward": "bf16"}
+             "bf16_after_backward": ["--compression", "bf16", "--no-torch-overlap"],
+             # JAX's DataParallel path (a custom train_step): the step in shard_map, bf16 all-gathered
+             "bf16_dataparallel": ["--compression", "bf16", "--custom-train-step"]}
+COMPRESSED = {"tensorflow": ("bf16", "fp16"), "jax": ("bf16", "fp16", "bf16_dataparallel"),
+              "torch": ("bf16", "fp16", "bf16_after_backward")}
+WIRE_TYPE = {"bf16": "bf16", "fp16": "fp16", "bf16_after_backward": "bf16", "bf16_dataparallel": "bf16"}
 BACKENDS = [pytest.param("tensorflow", marks=pytest.mark.tensorflow),
             pytest.param("jax", marks=pytest.mark.jax),
             pytest.param("torch", marks=pytest.mark.torch)]

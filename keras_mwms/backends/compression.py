@@ -20,8 +20,8 @@ torch 2.13, CPU):
 The JAX bf16 all-gather sends as many bytes as a 16-bit ring all-reduce with 2 workers (each
 worker receives the other's half-size vector) and `n - 1` vectors with `n` workers, against a
 ring's `2 (n - 1) / n`: it stays below float32's ring up to 4 workers. JAX's DataParallel path
-(BatchNormalization, custom `train_step`) runs its all-reduce inside XLA's step and is not
-compressed (a warning says so).
+(BatchNormalization, custom `train_step`, several devices per worker) compresses in
+`keras_mwms.backends.jax.sharded_step`, the same way over the devices.
 
 Error bound (what the tests use). Rounding a float32 to bf16 has relative error at most
 `u = 2^-8` (8 significant bits, rounded to nearest), to fp16 `u = 2^-11` (11 bits, in its

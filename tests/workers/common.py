@@ -56,8 +56,9 @@ def classification_data(rows: int = 256, seed: int = 11):
 
 
 def mlp(outputs: int = 1, hidden: int = 16, batch_norm: bool = False, dropout: float = 0.0,
-        synchronized: bool = True):
-    """A small MLP; create it inside `strategy.scope()`."""
+        synchronized: bool = True, custom_train_step: bool = False):
+    """A small MLP; create it inside `strategy.scope()`. `custom_train_step`: a Sequential
+    subclass whose `train_step` overrides Keras' (calling it), as user models do."""
     import keras
 
     layers = [keras.Input((NUM_FEATURES,)), keras.layers.Dense(hidden, activation="relu")]
@@ -66,7 +67,18 @@ def mlp(outputs: int = 1, hidden: int = 16, batch_norm: bool = False, dropout: f
     if dropout:
         layers.append(keras.layers.Dropout(dropout))
     layers += [keras.layers.Dense(hidden, activation="relu"), keras.layers.Dense(outputs)]
-    return keras.Sequential(layers)
+    return (_custom_train_step_class() if custom_train_step else keras.Sequential)(layers)
+
+
+def _custom_train_step_class():
+    import keras
+
+    class CustomTrainStep(keras.Sequential):
+        def train_step(self, *args):
+            return super().train_step(*args)
+
+    return CustomTrainStep
+
 
 
 def save_result(out_dir: str, index: int, model=None, **results) -> None:

@@ -77,6 +77,8 @@ FLAGS.add_argument("--record-path", action="store_true",
                         "scale of compression's rounding bound)")
 FLAGS.add_argument("--accumulation", type=int, default=None,
                    help="the optimizer's gradient_accumulation_steps; the dump then counts collectives by kind")
+FLAGS.add_argument("--custom-train-step", action="store_true",
+                   help="a model class whose train_step overrides Keras' (calling it)")
 FLAGS.add_argument("--fits", type=int, default=1, help="call fit this many times (History: the last)")
 FLAGS.add_argument("--seconds-per-batch", type=float, default=0.0,
                    help="sleep after every batch, so a fault lands mid-epoch")
@@ -155,7 +157,7 @@ def build_model(arguments, outputs: int, loss, metrics):
         raise SystemExit("--batch-norm synchronized is not available on JAX: use --batch-norm local "
                          "(the DataParallel path normalizes over the global batch anyway)")
     model = common.mlp(outputs, batch_norm=arguments.batch_norm is not None, dropout=arguments.dropout,
-                       synchronized=synchronized)
+                       synchronized=synchronized, custom_train_step=arguments.custom_train_step)
     accumulation = {"gradient_accumulation_steps": arguments.accumulation} if arguments.accumulation else {}
     if arguments.optimizer == "sgd":
         optimizer = keras.optimizers.SGD(arguments.learning_rate or 0.05, momentum=arguments.momentum,

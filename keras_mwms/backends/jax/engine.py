@@ -21,7 +21,9 @@ Start-up (after keras_mwms' rendezvous, before any JAX computation):
      over `jax.devices()` — all devices of all workers, so `jax_num_cpu_devices=2` on 2 workers
      gives 4 replicas. Keras' jitted train step runs SPMD over the global batch: XLA inserts
      the gradient all-reduce; metrics and BatchNormalization statistics are computed over the
-     global batch, exactly as one process.
+     global batch, exactly as one process. With gradient accumulation or compression the step
+     runs in `shard_map` and keras_mwms issues the gradient collective
+     (`keras_mwms.backends.jax.sharded_step`).
 
 What Keras 3.15.1 lacks on these paths is the patch table of `keras_mwms.backends.jax.patches`
 (the strategy installs it after `join`). A peer lost mid-collective becomes

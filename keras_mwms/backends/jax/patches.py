@@ -35,6 +35,10 @@ The rows, by what they achieve:
   (`keras_mwms.backends.jax.flat`) the train step is split around one flat all-reduce, a worker
   with no rows of a step leaves its metric state alone, and results come from the all-worker
   metric state.
+* **DataParallel step of keras_mwms** (inside `flat-train-step`, and `sharded-batch-norm-moments`)
+  — with gradient accumulation or compression a DataParallel model's step runs in `shard_map`
+  (`keras_mwms.backends.jax.sharded_step`), so keras_mwms issues its gradient collective: once
+  per K micro-steps, in 16 bits when compressing; BatchNormalization's moments stay global.
 
 A lost peer during any of them becomes `keras_mwms.WorkerLostError` naming it
 (`keras_mwms.backends.jax.faults`).
@@ -57,7 +61,7 @@ import numpy as np
 
 from keras_mwms import active
 from keras_mwms.backends import fit_call, policy
-from keras_mwms.backends.jax import data, flat
+from keras_mwms.backends.jax import data, flat, sharded_step
 from keras_mwms.backends.keras_api import attributes, internals, targets
 from keras_mwms.backends.patches import Patch, PatchTable
 from keras_mwms.diagnostics.ledger import counted_in_graph
@@ -305,12 +309,21 @@ def _flat_function(attribute: str, build):
                 return original(self, *args, **kwargs)
             _sync_state(backend, self)
             if not _on_flat_path(backend, self):
-                if attribute == "train_function" and backend.options.compression and backend.num_workers > 1:
-                    warnings.warn(f"compression={backend.options.compression!r} is not applied to "
-                                  f"{type(self).__name__}: it trains on JAX's DataParallel path, whose "
-                                  "all-reduce XLA runs inside the step; its gradients travel in float32. "
-                                  "Models without BatchNormalization or a custom train_step use the flat "
-                                  "path, where compression applies.", stacklevel=3)
+                if attribute == "train_function" and sharded_step.wanted(
+                        backend.options.compression, policy.accumulation_steps(self.optimizer)):
+                    random_layer = sharded_step.draws_random_numbers(self)
+                    if random_layer is None:   # keras_mwms issues the gradient collective
+                        force = signature.bind(self, *args, **kwargs).arguments.get("force", False)
+                        if self.train_function is None or force:
+                            self.train_function = counted_in_graph(flat.iterator_function(
+                                self, sharded_step.make_sharded_train_step(self, backend)))
+                        return self.train_function
+                    if backend.options.compression:
+                        warnings.warn(f"compression={backend.options.compression!r} is not applied to "
+                                      f"{type(self).__name__}: its layer {random_layer!r} draws random "
+                                      "numbers, so it keeps XLA's DataParallel step, whose gradients travel "
+                                      "in float32 (and every micro-step of gradient accumulation).",
+                                      stacklevel=3)
                 result = original(self, *args, **kwargs)
                 if attribute == "train_function":   # XLA's all-reduce: one ledger entry per step
                     self.train_function = counted_in_graph(self.train_function)
@@ -322,6 +335,18 @@ def _flat_function(attribute: str, build):
         return make_function
 
     return replacement
+
+
+def _sharded_batch_norm_moments(original):
+    @functools.wraps(original)
+    def _moments(self, inputs, mask):
+        """Global moments inside keras_mwms' sharded DataParallel step (`sharded_step`)."""
+        backend = _several_workers()
+        if backend is None or not policy.global_batch_norm_moments(self, backend.options):
+            return original(self, inputs, mask)
+        return sharded_step.global_moments(self, inputs, mask, original)
+
+    return _moments
 
 
 def _flat_train_step(backend, model):
@@ -407,6 +432,11 @@ PATCHES = PatchTable("jax", [
           parameters=("force",),
           works_around="XLA's fused gradient all-reduce is 1.4-6x slower than one flat all-reduce "
                        "on CPU gloo; variables set on one worker alone would drift into training"),
+    Patch("sharded-batch-norm-moments", targets.BATCH_NORM_MOMENTS, _sharded_batch_norm_moments,
+          parameters=("inputs", "mask"),
+          works_around="the DataParallel step keras_mwms runs in shard_map (gradient accumulation, "
+                       "compression) sees each device's rows: BatchNormalization needs the global "
+                       "batch's moments, one psum of [sum, sum of squares]"),
     Patch("flat-test-step", targets.TRAINER_MAKE_TEST_FUNCTION,
           _flat_function("test_function", _flat_test_step),
           parameters=("force",), works_around="the flat path's evaluate: a worker may have no rows"),

@@ -71,7 +71,7 @@ UNSCALE_LOSS_FOR_DISTRIBUTION = Target(LOSS_MODULE, "unscale_loss_for_distributi
 # -- layers ----------------------------------------------------------------------------------
 BATCH_NORM_INIT = Target(BATCH_NORMALIZATION, "__init__", backends=TORCH)
 BATCH_NORM_CALL = Target(BATCH_NORMALIZATION, "call", backends=TF)
-BATCH_NORM_MOMENTS = Target(BATCH_NORMALIZATION, "_moments", backends=TF + TORCH)
+BATCH_NORM_MOMENTS = Target(BATCH_NORMALIZATION, "_moments", backends=TF + JAX + TORCH)
 
 # -- data adapters ---------------------------------------------------------------------------
 GET_DATA_ADAPTER = Target(DATA_ADAPTERS, "get_data_adapter")

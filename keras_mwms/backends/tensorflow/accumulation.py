@@ -8,19 +8,21 @@ worker keeps its own share of the window instead:
 
 * every micro-step the replica's *share* of the global mean gradient (its row-weighted gradient
   ÷ replicas; the row counts are summed first, in the step's small scalar all-reduce) is added
-  to the optimizer's accumulators. With one replica per worker, a mirrored variable holds one
-  copy per worker, and each worker's copy holds its own partial window;
+  to the optimizer's accumulators. A worker with several local replicas (GPUs) first adds its
+  replicas' shares on the worker, in replica order (`worker_share`): a mirrored variable's
+  copies on this worker all hold the worker's partial window, the copies on other workers
+  theirs;
 * on the K-th micro-step the window (accumulators + this share) is summed across workers in
-  one all-reduce (`sum_across_workers`), divided by K, clipped, and applied by Keras' own
-  update; the accumulators are zeroed.
+  one all-reduce (`sum_across_workers`; with several local replicas the window rides on the
+  first one and the others send zeros, which add exactly), divided by K, clipped, and applied
+  by Keras' own update; the accumulators are zeroed.
 
 The sum of the shares over workers and micro-steps is the sum of K global mean gradients, the
 `(gradient + accumulated)` one process divides by K. Both branches live in one `tf.cond` in the
 cross-replica context, where TensorFlow allows the collective (a `merge_call` inside a replica
 `tf.cond` is refused). Each window all-reduce that runs is counted (`count_window_all_reduce`).
 
-Limits: one replica per worker (several local GPUs keep the all-reduce per micro-step), no EMA
-(`use_ema`), no `LossScaleOptimizer` (it decides overflow per micro-step); a checkpoint written
+Limits: no EMA (`use_ema`), no `LossScaleOptimizer` (it decides overflow per micro-step); a checkpoint written
 mid-window holds the chief's share only, as on torch.
 """
 
@@ -32,26 +34,48 @@ from typing import Any
 from keras_mwms.backends import policy
 
 
-def accumulates_locally(optimizer: Any, strategy: Any) -> bool:
-    """Whether `optimizer`'s micro-steps may keep their gradients on the worker until the K-th.
+def accumulates_locally(optimizer: Any) -> bool:
+    """Whether `optimizer`'s micro-steps may keep their gradients on the worker until the K-th
+    (any number of local replicas).
 
     Example:
 
     >>> class Optimizer:
     ...     gradient_accumulation_steps, use_ema = 4, False
-    >>> class Extended:
-    ...     worker_devices = ("/job:worker/task:0/device:CPU:0",)
-    >>> class Strategy:
-    ...     extended = Extended()
-    >>> accumulates_locally(Optimizer(), Strategy())
+    >>> accumulates_locally(Optimizer())
     True
     >>> Optimizer.use_ema = True
-    >>> accumulates_locally(Optimizer(), Strategy())
+    >>> accumulates_locally(Optimizer())
     False
     """
-    return (policy.accumulation_steps(optimizer) > 0
-            and not getattr(optimizer, "use_ema", False)
-            and len(strategy.extended.worker_devices) == 1)
+    return policy.accumulation_steps(optimizer) > 0 and not getattr(optimizer, "use_ema", False)
+
+
+def worker_share(local_shares: tuple) -> Any:
+    """This worker's share of a gradient: its local replicas' shares added in replica order.
+
+    Example:
+
+    >>> worker_share((1.0,)), worker_share((1.0, 2.0, 4.0))
+    (1.0, 7.0)
+    """
+    total = local_shares[0]
+    for share in local_shares[1:]:
+        total = total + share
+    return total
+
+
+def on_first_replica(tensor: Any, devices: tuple) -> Any:
+    """A `PerReplica` for this worker's local replicas on `devices`: `tensor` on the first,
+    zeros on the others, so a sum over every replica adds `tensor` once per worker (exactly)."""
+    import tensorflow as tf
+    from tensorflow.python.distribute import values as distribute_values
+
+    local = [tensor]
+    for device in devices[1:]:
+        with tf.device(device):
+            local.append(tf.zeros_like(tensor))
+    return distribute_values.PerReplica(tuple(local))
 
 
 def count_window_all_reduce(nbytes: int) -> None:

@@ -58,6 +58,8 @@ from keras_mwms.backends.tensorflow.accumulation import (
     accumulate_or_apply,
     accumulates_locally,
     count_window_all_reduce,
+    on_first_replica,
+    worker_share,
 )
 
 
@@ -255,7 +257,7 @@ class RowWeighting:
             # scaled each replica's loss by 1/replicas: sum, as Keras does. (The loop count,
             # not the replica thread's factor: LossScaleOptimizer applies from a replica
             # thread of its own.)
-            if accumulates_locally(optimizer, self.strategy):
+            if accumulates_locally(optimizer):
                 # The replica's share of the global mean gradient stays on the worker until the
                 # K-th micro-step (`keras_mwms.backends.tensorflow.accumulation`).
                 divisor = context.num_replicas_in_sync if self.loops_running else 1
@@ -263,7 +265,8 @@ class RowWeighting:
 
                 def accumulate(distribution, replica_shares):
                     accumulate_or_apply(
-                        optimizer, [distribution.experimental_local_results(share)[0] for share in replica_shares],
+                        optimizer, [worker_share(distribution.experimental_local_results(share))
+                                    for share in replica_shares],
                         trainable_variables, lambda window: self._sum_across_workers(distribution, window))
 
                 context.merge_call(accumulate, args=(shares,))
@@ -374,16 +377,16 @@ class RowWeighting:
         return reduced
 
     def _sum_across_workers(self, distribution, tensors: list) -> list:
-        """In the cross-replica context (one replica per worker): each tensor summed over workers.
+        """In the cross-replica context: each tensor (this worker's) summed over workers.
 
         One all-reduce (TF packs the list per dtype); float32 in 16 bits when compressing.
+        With several local replicas the tensor rides on the first and the others send zeros.
         """
         import tensorflow as tf
-        from tensorflow.python.distribute import values as distribute_values
 
         wires = _wires(self.compression(), tensors)
         nbytes = _wire_bytes(tensors, wires)
-        sent = [distribute_values.PerReplica((tf.cast(tensor, wire) if wire else tensor,))
+        sent = [on_first_replica(tf.cast(tensor, wire) if wire else tensor, distribution.extended.worker_devices)
                 for tensor, wire in zip(tensors, wires)]
         summed = distribution.extended.batch_reduce_to(
             tf.distribute.ReduceOp.SUM, [(value, value) for value in sent])
