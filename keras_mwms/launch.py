@@ -32,11 +32,11 @@ Exit code: 0 only when every worker of the last attempt exits 0.
 
 Each worker gets `TF_CONFIG`, `KERAS_MWMS_ATTEMPT` (0 on the first start),
 `KERAS_MWMS_LOCAL_WORKERS` (N) and, unless already set, `OMP_NUM_THREADS` = cores ÷ N (the
-split every worker makes on its own, `keras_mwms.threads`, exported so OpenMP starts with it):
+split every worker makes on its own, `keras_mwms.devices.threads`, exported so OpenMP starts with it):
 oversubscribing cores made synchronous training several times slower in our probes, and
 `TF_CPP_MIN_LOG_LEVEL=1` (TensorFlow's C++ INFO lines off; warnings and errors kept).
 
-GPUs (`--gpus-per-worker`, see `keras_mwms.gpu_assignment`): each worker gets
+GPUs (`--gpus-per-worker`, see `keras_mwms.devices.gpu_assignment`): each worker gets
 `KERAS_MWMS_LOCAL_RANK` (its index) and, on a host with GPUs, its own `CUDA_VISIBLE_DEVICES`:
 one GPU per worker by default, K with `--gpus-per-worker K`, every GPU with `all`.
 """
@@ -55,9 +55,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from keras_mwms import advice, devices, gpu_assignment, settings, threads
-from keras_mwms.cluster import format_address, make_tf_config
+from keras_mwms import devices, settings
+from keras_mwms.devices import gpu_assignment, threads
 from keras_mwms.diagnostics.straggler import REPORT_ENV
+from keras_mwms.startup import advice
+from keras_mwms.startup.cluster import format_address, make_tf_config
 
 DEFAULT_GRACE_PERIOD_SECONDS = 10.0
 # A SIGKILLed process is gone in milliseconds unless stuck in the kernel (a dead NFS mount);
@@ -182,12 +184,12 @@ class Gang:
         # The gang is described by TF_CONFIG, also inside a Slurm step or a torchrun/MPI job.
         env[settings.CLUSTER_SOURCE.name] = "tf_config"
         env[advice.LAUNCH_ATTEMPT_ENV] = str(self.attempt)
-        if self.port_base:   # a port clash then says "another --port-base" (keras_mwms.advice)
+        if self.port_base:   # a port clash then says "another --port-base" (keras_mwms.startup.advice)
             env[advice.LAUNCH_PORT_BASE_ENV] = str(self.port_base)
         env[devices.LOCAL_WORKERS_ENV] = str(self.workers)
         env[gpu_assignment.LOCAL_RANK_ENV] = str(index)
         env["PYTHONUNBUFFERED"] = "1"
-        if threads.USER_THREADS_ENV not in env:   # the user's choice wins (keras_mwms.threads)
+        if threads.USER_THREADS_ENV not in env:   # the user's choice wins (keras_mwms.devices.threads)
             env[threads.USER_THREADS_ENV] = env[threads.CHOSEN_ENV] = str(devices.threads_per_worker(self.workers))
         # TensorFlow's INFO lines (its coordination service's "Waiting for 1/2 tasks to
         # connect", barriers, memory patches) are the gang's start-up chatter, not the user's
@@ -551,7 +553,7 @@ def gpu_worker_env(workers: int, gpus_per_worker: str = gpu_assignment.AUTO, env
                    log=None) -> dict[int, dict[str, str]]:
     """Each worker's `CUDA_VISIBLE_DEVICES` and `KERAS_MWMS_GPUS_PER_WORKER` (nothing on a CPU host).
 
-    Raises `keras_mwms.gpu_assignment.GpuAssignmentError` when the request does not fit the host.
+    Raises `keras_mwms.devices.gpu_assignment.GpuAssignmentError` when the request does not fit the host.
 
     Example:
 

@@ -109,7 +109,7 @@ class JaxBackend(Backend):
 
     def __init__(self, resolver, options, tf_config_at_creation: str = ""):
         super().__init__(resolver, options, tf_config_at_creation)
-        # This worker's GPUs (`keras_mwms.gpu_assignment`); JAX restricts itself to them at join.
+        # This worker's GPUs (`keras_mwms.devices.gpu_assignment`); JAX restricts itself to them at join.
         self.gpu_assignment = devices.gpu_assignment("jax", self.num_workers)
         self._engine = resolve_engine(options.implementation, len(self.gpu_assignment.gpus))
         self._joined = False
@@ -457,12 +457,12 @@ def coordinator_bind_address(resolver) -> str | None:
 
     Example:
 
-    >>> from keras_mwms.cluster import SimpleClusterResolver
+    >>> from keras_mwms.startup.cluster import SimpleClusterResolver
     >>> coordinator_bind_address(SimpleClusterResolver({"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}, "worker", 0))
     '127.0.0.1:2222'
     """
-    from keras_mwms import network
-    from keras_mwms.cluster import split_address
+    from keras_mwms.startup import network
+    from keras_mwms.startup.cluster import split_address
 
     if resolver.worker_index != 0:
         return None
@@ -481,8 +481,8 @@ def bind_gloo_to_tf_config_host(resolver) -> None:
     `xla_bridge` does, with `make_gloo_tcp_collectives(hostname=...)`. Private JAX API, so a
     JAX without it keeps its default (with a logged warning) instead of failing.
     """
-    from keras_mwms import network
-    from keras_mwms.cluster import split_address
+    from keras_mwms.startup import network
+    from keras_mwms.startup.cluster import split_address
 
     own_host = split_address(resolver.worker_addresses[resolver.worker_index])[0]
     if network.interface_of(own_host) is None:

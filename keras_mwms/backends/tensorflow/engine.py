@@ -40,10 +40,10 @@ from keras_mwms.backends.base import Backend
 from keras_mwms.backends.patches import PatchTable
 from keras_mwms.backends.tensorflow import patches
 from keras_mwms.backends.tensorflow.gradients import RowWeighting
-from keras_mwms.cluster import ClusterResolver
 from keras_mwms.communication import CommunicationImplementation, CommunicationOptions
 from keras_mwms.diagnostics import LEDGER
 from keras_mwms.errors import StrategyCreatedTooLateError
+from keras_mwms.startup.cluster import ClusterResolver
 
 # TF's per-collective timeout starts one sleeping thread per collective for its whole duration
 # (≈2,500 live threads per worker after a short benchmark at 300 s), so by default we set none:
@@ -102,7 +102,7 @@ def lost_ranks(text: str, resolver: ClusterResolver, own_rank: int) -> list[int]
 
     Example:
 
-    >>> from keras_mwms.cluster import SimpleClusterResolver
+    >>> from keras_mwms.startup.cluster import SimpleClusterResolver
     >>> resolver = SimpleClusterResolver({"worker": ["h0:1", "h1:2", "h2:3"]}, "worker", 0)
     >>> lost_ranks("/job:worker/replica:0/task:0 saw: the following tasks are unhealthy "
     ...            "(stopped sending heartbeats): /job:worker/replica:0/task:2", resolver, 0)
@@ -157,7 +157,7 @@ class TensorFlowBackend(Backend):
         super().__init__(resolver, options, tf_config_at_creation)
         from keras_mwms import devices
 
-        # This worker's GPUs (`keras_mwms.gpu_assignment`): its local replicas, or the CPU.
+        # This worker's GPUs (`keras_mwms.devices.gpu_assignment`): its local replicas, or the CPU.
         self.gpu_assignment = devices.gpu_assignment("tensorflow", self.num_workers)
         self.gpu_count = len(self.gpu_assignment.gpus)
         self.implementation = CommunicationImplementation(

@@ -36,10 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from keras_mwms import resumable_inputs
 from keras_mwms.backends import fit_call
 from keras_mwms.backends.patches import ObjectState
 from keras_mwms.backends.tensorflow import data
+from keras_mwms.resume import resumable_inputs
 
 _local_predict_functions = ObjectState()   # model -> its predict function without the strategy
 
