@@ -39,7 +39,7 @@ from keras_mwms.backends import policy
 from keras_mwms.backends.base import Backend
 from keras_mwms.backends.patches import PatchTable
 from keras_mwms.backends.tensorflow import patches
-from keras_mwms.backends.tensorflow.gradients import RowWeighting
+from keras_mwms.backends.tensorflow.step import RowWeighting
 from keras_mwms.communication import CommunicationImplementation, CommunicationOptions
 from keras_mwms.diagnostics import LEDGER
 from keras_mwms.errors import StrategyCreatedTooLateError
