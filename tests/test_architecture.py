@@ -17,7 +17,11 @@
   (launcher, CLI, demo, benchmark), whose output is their job;
 - only the Keras firewall (`keras_mwms/backends/keras_api/`) names `keras.src`;
 - no function anywhere in the package is longer than 100 lines (nested ones included): a
-  feature interaction gets a function of its own that can be tested alone.
+  feature interaction gets a function of its own that can be tested alone;
+- every backend subpackage has the same modules for the same concepts (`SHARED_BACKEND_MODULES`),
+  so a change to one backend's step or patches has an obvious twin in the others;
+- the package root stays readable at a glance: at most `MAX_ROOT_MODULES` modules besides
+  `__init__.py`; a new concept goes into the subpackage of its layer (ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ MAX_CLASS_LINES = 300
 PRINTERS = ("keras_mwms.launch", "keras_mwms.cli", "keras_mwms.demo", "keras_mwms.benchmark", "keras_mwms.log")
 MAX_FUNCTION_LINES = 100
 LONG_FUNCTIONS_ALLOWED: set[str] = set()
+# engine: the Backend subclass and its collective port; patches: patch_table(backend); data: how
+# inputs reach this worker's step; step: the train step and its gradient all-reduce.
+SHARED_BACKEND_MODULES = ("engine", "patches", "data", "step")
+MAX_ROOT_MODULES = 13
 
 
 def module_files() -> dict[str, Path]:
@@ -370,3 +378,17 @@ def test_each_backend_names_its_patch_table_alike_and_supplies_one_fit_hooks():
         hooks = [path.name for path in (PACKAGE / "backends" / adapter).glob("*.py")
                  if "FitHooks" in _top_level(path)[1]]
         assert len(hooks) == 1, (adapter, hooks)
+
+
+def test_the_backend_subpackages_share_their_module_names():
+    """The same concept has the same module name in every backend (`SHARED_BACKEND_MODULES`)."""
+    missing = [f"backends/{adapter}/{name}.py" for adapter in ADAPTERS for name in SHARED_BACKEND_MODULES
+               if not (PACKAGE / "backends" / adapter / f"{name}.py").exists()]
+    assert missing == []
+
+
+def test_at_most_a_few_modules_at_the_package_root():
+    """Start-up, devices, resume, diagnostics, ... live in subpackages; the root holds the user
+    surface, the registry, the core's few shared modules and the programs."""
+    root = sorted(path.name for path in PACKAGE.glob("*.py") if path.name != "__init__.py")
+    assert len(root) <= MAX_ROOT_MODULES, f"{len(root)} modules at keras_mwms/: {root}; move one into its layer's subpackage"
