@@ -101,7 +101,7 @@ class GpuAssignmentError(KerasMwmsError, ValueError):
 
     Example:
 
-    >>> from keras_mwms.devices.gpu_assignment import assign_gpus
+    >>> from keras_mwms.devices.assignment import assign_gpus
     >>> try:
     ...     assign_gpus("torch", visible=4, workers=2, environ={})
     ... except GpuAssignmentError as error:

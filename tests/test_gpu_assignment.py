@@ -1,4 +1,4 @@
-"""Which GPUs a worker uses (`keras_mwms.devices.gpu_assignment`), over faked environments: no GPU needed.
+"""Which GPUs a worker uses (`keras_mwms.devices.assignment`), over faked environments: no GPU needed.
 
 Worker side: N workers × G visible GPUs × backend × which local-rank variable is set, the
 launcher's narrowed environment, and the refusals. Launcher side: each worker's
@@ -21,7 +21,7 @@ import pytest
 from keras_mwms import devices, launch
 from keras_mwms.backends.policy import exclusive_gpus_reason
 from keras_mwms.communication import CommunicationImplementation as Impl
-from keras_mwms.devices.gpu_assignment import (
+from keras_mwms.devices.assignment import (
     GPUS_PER_WORKER_ENV,
     LOCAL_RANK_VARIABLES,
     GpuAssignmentError,
@@ -422,7 +422,7 @@ from jax._src import xla_bridge
 from keras_mwms.backends.jax import engine
 from keras_mwms.startup.cluster import SimpleClusterResolver
 from keras_mwms.communication import CommunicationOptions
-from keras_mwms.devices.gpu_assignment import assign_gpus
+from keras_mwms.devices.assignment import assign_gpus
 resolver = SimpleClusterResolver({"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "worker", 1)
 with mock.patch("keras_mwms.devices.gpu_assignment", return_value=assign_gpus("jax", 4, 2, {"LOCAL_RANK": "1"})):
     backend = engine.JaxBackend(resolver, CommunicationOptions())

@@ -435,7 +435,7 @@ def exclusive_gpus_reason(backend: str, requested: Any, gpu_count: int) -> str |
     if gpu_count <= 0:
         return None
     from keras_mwms.communication import CommunicationImplementation
-    from keras_mwms.devices.gpu_assignment import SET_A_LOCAL_RANK
+    from keras_mwms.devices.assignment import SET_A_LOCAL_RANK
 
     fix = ("NCCL cannot run two ranks on one GPU (it would fail later with 'Duplicate GPU "
            f"detected'). Give each worker its own GPU: {SET_A_LOCAL_RANK}")

@@ -199,7 +199,7 @@ class SlurmClusterResolver(EnvironmentClusterResolver):
         if self._auto_set_gpu and self._gpus_per_task:
             os.environ["CUDA_VISIBLE_DEVICES"] = self.visible_devices
             # These are this task's GPUs: the backends use them all, not one by SLURM_LOCALID
-            # (`keras_mwms.devices.gpu_assignment`, as for the launcher's).
+            # (`keras_mwms.devices.assignment`, as for the launcher's).
             os.environ[settings.GPUS_PER_WORKER.name] = str(self._gpus_per_task)
 
     def cluster_spec(self):

@@ -109,7 +109,7 @@ class JaxBackend(Backend):
 
     def __init__(self, resolver, options, tf_config_at_creation: str = ""):
         super().__init__(resolver, options, tf_config_at_creation)
-        # This worker's GPUs (`keras_mwms.devices.gpu_assignment`); JAX restricts itself to them at join.
+        # This worker's GPUs (`keras_mwms.devices.assignment`); JAX restricts itself to them at join.
         self.gpu_assignment = devices.gpu_assignment("jax", self.num_workers)
         self._engine = resolve_engine(options.implementation, len(self.gpu_assignment.gpus))
         self._joined = False

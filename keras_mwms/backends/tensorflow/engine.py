@@ -157,7 +157,7 @@ class TensorFlowBackend(Backend):
         super().__init__(resolver, options, tf_config_at_creation)
         from keras_mwms import devices
 
-        # This worker's GPUs (`keras_mwms.devices.gpu_assignment`): its local replicas, or the CPU.
+        # This worker's GPUs (`keras_mwms.devices.assignment`): its local replicas, or the CPU.
         self.gpu_assignment = devices.gpu_assignment("tensorflow", self.num_workers)
         self.gpu_count = len(self.gpu_assignment.gpus)
         self.implementation = CommunicationImplementation(

@@ -11,7 +11,7 @@
 * **leave** — the process group is destroyed in order, at `strategy.close()` or at exit.
 
 One replica per worker process (one CPU or one GPU); several GPUs per worker are out of scope:
-start one worker per GPU instead. Which GPU is `keras_mwms.devices.gpu_assignment`'s answer (the
+start one worker per GPU instead. Which GPU is `keras_mwms.devices.assignment`'s answer (the
 launcher's, or the local rank's, or the only one); `join` makes it the current CUDA device before
 Keras creates a tensor, so Keras' "cuda" means this worker's GPU.
 """
