@@ -15,22 +15,22 @@ model.fit(x, y, batch_size=64)                          # 64 is the global batch
 Run it on two local workers: `python -m keras_mwms.launch --workers 2 train.py`.
 """
 
-from keras_mwms.cluster import (
-    ClusterSpec,
-    SimpleClusterResolver,
-    TFConfigClusterResolver,
-    TFConfigError,
-)
 from keras_mwms.communication import CommunicationImplementation, CommunicationOptions
 from keras_mwms.data import AutoShardPolicy, InputContext
 from keras_mwms.errors import KerasMwmsError, WorkerLostError, WorkersDifferError
-from keras_mwms.rendezvous import RendezvousError
 from keras_mwms.resolvers import (
     ClusterEnvironmentError,
     MPIClusterResolver,
     SlurmClusterResolver,
     TorchrunClusterResolver,
 )
+from keras_mwms.startup.cluster import (
+    ClusterSpec,
+    SimpleClusterResolver,
+    TFConfigClusterResolver,
+    TFConfigError,
+)
+from keras_mwms.startup.rendezvous import RendezvousError
 from keras_mwms.strategy import MultiWorkerMirroredStrategy
 from keras_mwms.version import __version__
 

@@ -12,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from keras_mwms.cluster import TFConfigError, make_tf_config
+from keras_mwms.startup.cluster import TFConfigError, make_tf_config
 
 
 def tf_config_main(argv: Sequence[str]) -> int:

@@ -54,7 +54,7 @@ class TFConfigError(KerasMwmsError, ValueError):
 
     Example:
 
-    >>> from keras_mwms.cluster import parse_tf_config, TFConfigError
+    >>> from keras_mwms.startup.cluster import parse_tf_config, TFConfigError
     >>> try:
     ...     parse_tf_config('{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker"}}')
     ... except TFConfigError as error:
@@ -101,7 +101,7 @@ class GpuAssignmentError(KerasMwmsError, ValueError):
 
     Example:
 
-    >>> from keras_mwms.gpu_assignment import assign_gpus
+    >>> from keras_mwms.devices.assignment import assign_gpus
     >>> try:
     ...     assign_gpus("torch", visible=4, workers=2, environ={})
     ... except GpuAssignmentError as error:

@@ -3,7 +3,7 @@
 A test that kills and restarts a job wants to prove "every example exactly once per epoch, none
 repeated, none skipped". This callback writes, after every training step, the global example
 ids of that step's global batch — the ids the input *served* for that step, read off the
-resumable input (`keras_mwms.resumable_inputs`), not recomputed — and this worker's share of
+resumable input (`keras_mwms.resume.resumable_inputs`), not recomputed — and this worker's share of
 them (its rows of the global batch, `keras_mwms.data.replica_slices`), one JSON line per step,
 to `<directory>/ledger.w<worker>.jsonl`, flushed at once so a SIGKILL loses nothing already
 written. Each process's first line (`"event": "begin"`) says where it started: the epoch and
@@ -30,9 +30,10 @@ import os
 
 import keras
 
-from keras_mwms import resumable_inputs, settings
+from keras_mwms import settings
 from keras_mwms.callbacks import coordination
 from keras_mwms.data import replica_slices
+from keras_mwms.resume import resumable_inputs
 
 
 class ExampleLedger(keras.callbacks.Callback):

@@ -32,11 +32,11 @@ Exit code: 0 only when every worker of the last attempt exits 0.
 
 Each worker gets `TF_CONFIG`, `KERAS_MWMS_ATTEMPT` (0 on the first start),
 `KERAS_MWMS_LOCAL_WORKERS` (N) and, unless already set, `OMP_NUM_THREADS` = cores ÷ N (the
-split every worker makes on its own, `keras_mwms.threads`, exported so OpenMP starts with it):
+split every worker makes on its own, `keras_mwms.devices.threads`, exported so OpenMP starts with it):
 oversubscribing cores made synchronous training several times slower in our probes, and
 `TF_CPP_MIN_LOG_LEVEL=1` (TensorFlow's C++ INFO lines off; warnings and errors kept).
 
-GPUs (`--gpus-per-worker`, see `keras_mwms.gpu_assignment`): each worker gets
+GPUs (`--gpus-per-worker`, see `keras_mwms.devices.assignment`): each worker gets
 `KERAS_MWMS_LOCAL_RANK` (its index) and, on a host with GPUs, its own `CUDA_VISIBLE_DEVICES`:
 one GPU per worker by default, K with `--gpus-per-worker K`, every GPU with `all`.
 """
@@ -55,9 +55,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from keras_mwms import advice, devices, gpu_assignment, settings, threads
-from keras_mwms.cluster import format_address, make_tf_config
+from keras_mwms import devices, settings
+from keras_mwms.devices import assignment, threads
 from keras_mwms.diagnostics.straggler import REPORT_ENV
+from keras_mwms.startup import advice
+from keras_mwms.startup.cluster import format_address, make_tf_config
 
 DEFAULT_GRACE_PERIOD_SECONDS = 10.0
 # A SIGKILLed process is gone in milliseconds unless stuck in the kernel (a dead NFS mount);
@@ -182,12 +184,12 @@ class Gang:
         # The gang is described by TF_CONFIG, also inside a Slurm step or a torchrun/MPI job.
         env[settings.CLUSTER_SOURCE.name] = "tf_config"
         env[advice.LAUNCH_ATTEMPT_ENV] = str(self.attempt)
-        if self.port_base:   # a port clash then says "another --port-base" (keras_mwms.advice)
+        if self.port_base:   # a port clash then says "another --port-base" (keras_mwms.startup.advice)
             env[advice.LAUNCH_PORT_BASE_ENV] = str(self.port_base)
         env[devices.LOCAL_WORKERS_ENV] = str(self.workers)
-        env[gpu_assignment.LOCAL_RANK_ENV] = str(index)
+        env[assignment.LOCAL_RANK_ENV] = str(index)
         env["PYTHONUNBUFFERED"] = "1"
-        if threads.USER_THREADS_ENV not in env:   # the user's choice wins (keras_mwms.threads)
+        if threads.USER_THREADS_ENV not in env:   # the user's choice wins (keras_mwms.devices.threads)
             env[threads.USER_THREADS_ENV] = env[threads.CHOSEN_ENV] = str(devices.threads_per_worker(self.workers))
         # TensorFlow's INFO lines (its coordination service's "Waiting for 1/2 tasks to
         # connect", barriers, memory patches) are the gang's start-up chatter, not the user's
@@ -512,7 +514,7 @@ def build_parser(prog: str = "python -m keras_mwms.launch") -> argparse.Argument
     parser.add_argument("--grace-period", type=float, default=DEFAULT_GRACE_PERIOD_SECONDS, metavar="SECONDS",
                         help="seconds between SIGTERM and SIGKILL when stopping workers "
                              f"(default {DEFAULT_GRACE_PERIOD_SECONDS:g})")
-    parser.add_argument("--gpus-per-worker", default=gpu_assignment.AUTO, metavar="K",
+    parser.add_argument("--gpus-per-worker", default=assignment.AUTO, metavar="K",
                         help="GPUs each worker trains on, via its CUDA_VISIBLE_DEVICES: 'auto' "
                              "(default: one per worker when the host has a GPU per worker), a "
                              "number K (TensorFlow and JAX use several as local replicas; torch "
@@ -547,11 +549,11 @@ def command_from_arguments(arguments: argparse.Namespace, parser: argparse.Argum
     return [sys.executable, "-u", *rest]
 
 
-def gpu_worker_env(workers: int, gpus_per_worker: str = gpu_assignment.AUTO, environ=None,
+def gpu_worker_env(workers: int, gpus_per_worker: str = assignment.AUTO, environ=None,
                    log=None) -> dict[int, dict[str, str]]:
     """Each worker's `CUDA_VISIBLE_DEVICES` and `KERAS_MWMS_GPUS_PER_WORKER` (nothing on a CPU host).
 
-    Raises `keras_mwms.gpu_assignment.GpuAssignmentError` when the request does not fit the host.
+    Raises `keras_mwms.devices.assignment.GpuAssignmentError` when the request does not fit the host.
 
     Example:
 
@@ -562,13 +564,13 @@ def gpu_worker_env(workers: int, gpus_per_worker: str = gpu_assignment.AUTO, env
     {}
     """
     environ = os.environ if environ is None else environ
-    per_worker = gpu_assignment.parse_gpus_per_worker(gpus_per_worker)
+    per_worker = assignment.parse_gpus_per_worker(gpus_per_worker)
     names = devices.visible_gpu_names(environ)
     backend = devices.configured_backend_name(environ)
-    plan = gpu_assignment.plan_launch(backend, workers, names, per_worker)
+    plan = assignment.plan_launch(backend, workers, names, per_worker)
     if plan is None:
         return {}
-    share = "all" if per_worker == gpu_assignment.ALL else str(len(plan[0].split(",")) if plan[0] else 0)
+    share = "all" if per_worker == assignment.ALL else str(len(plan[0].split(",")) if plan[0] else 0)
     log = log or sys.stderr
     listing = "; ".join(f"worker {index}: {visible or 'CPU'}" for index, visible in enumerate(plan))
     used = {name for visible in plan for name in visible.split(",") if name}
@@ -576,7 +578,7 @@ def gpu_worker_env(workers: int, gpus_per_worker: str = gpu_assignment.AUTO, env
     log.write(f"[launcher] GPUs ({backend}, --gpus-per-worker {gpus_per_worker}): "
               f"CUDA_VISIBLE_DEVICES {listing}{idle}\n")
     log.flush()
-    return {index: {"CUDA_VISIBLE_DEVICES": visible, gpu_assignment.GPUS_PER_WORKER_ENV: share}
+    return {index: {"CUDA_VISIBLE_DEVICES": visible, assignment.GPUS_PER_WORKER_ENV: share}
             for index, visible in enumerate(plan)}
 
 
@@ -602,7 +604,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m keras_mwms.la
         parser.error(str(missing))
     try:
         worker_env = gpu_worker_env(arguments.workers, arguments.gpus_per_worker)
-    except gpu_assignment.GpuAssignmentError as error:
+    except assignment.GpuAssignmentError as error:
         parser.error(str(error))
     launcher = Launcher(command, arguments.workers, arguments.max_restarts, arguments.host,
                         arguments.port_base, arguments.grace_period, worker_env=worker_env,

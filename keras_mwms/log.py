@@ -31,7 +31,7 @@ already has it), so logs of srun, torchrun and mpirun jobs read the same.
 Example:
 
 >>> import io, logging
->>> from keras_mwms.cluster import SimpleClusterResolver
+>>> from keras_mwms.startup.cluster import SimpleClusterResolver
 >>> logger, redirected = get_logger("keras_mwms.example"), io.StringIO()
 >>> logging.getLogger("keras_mwms").addHandler(handler := logging.StreamHandler(redirected))
 >>> logger.info("hello", worker=SimpleClusterResolver({"worker": ["h0:1", "h1:2"]}, "worker", 1))

@@ -22,16 +22,17 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from keras_mwms import active, devices, diagnostics, settings, threads
-from keras_mwms.advice import advice_for
+from keras_mwms import active, devices, diagnostics, settings
 from keras_mwms.backends import backend_class, callback_list, policy, resume
 from keras_mwms.backends.keras_api.usability import require_usable
-from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver
 from keras_mwms.communication import CommunicationOptions
 from keras_mwms.compat_v1 import CompatV1Methods
+from keras_mwms.devices import threads
 from keras_mwms.log import get_logger
-from keras_mwms.rendezvous import Rendezvous
 from keras_mwms.resolvers.detect import describe_source, detect_cluster_resolver
+from keras_mwms.startup.advice import advice_for
+from keras_mwms.startup.cluster import TF_CONFIG_ENV, ClusterResolver
+from keras_mwms.startup.rendezvous import Rendezvous
 from keras_mwms.version import __version__
 
 logger = get_logger(__name__)
@@ -43,7 +44,7 @@ def build_fingerprint(resolver: ClusterResolver, options: CommunicationOptions,
 
     Example:
 
-    >>> from keras_mwms.cluster import SimpleClusterResolver
+    >>> from keras_mwms.startup.cluster import SimpleClusterResolver
     >>> resolver = SimpleClusterResolver({"worker": ["h0:1", "h1:1"]}, "worker", 1)
     >>> build_fingerprint(resolver, CommunicationOptions(), "jax", "0.10.2", "gloo")["cluster"]
     ['worker:0@h0:1', 'worker:1@h1:1']

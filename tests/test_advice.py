@@ -1,4 +1,4 @@
-"""Hints that fit how the job was started (keras_mwms/advice.py and the messages that use it).
+"""Hints that fit how the job was started (keras_mwms/startup/advice.py and the messages that use it).
 
 Each message is produced in its own context, with real processes where the context is a
 process's environment: the launcher with `--port-base`, a simulated `srun` step, torchrun
@@ -16,10 +16,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from keras_mwms.cluster import make_tf_config
 from keras_mwms.errors import WorkerLostError
 from keras_mwms.launch import find_free_ports
 from keras_mwms.resolvers import SlurmClusterResolver
+from keras_mwms.startup.cluster import make_tf_config
 from tests.multiworker import REPO, Spawn, run_launcher, run_processes, worker_env
 from tests.test_resolvers_gangs import free_port_run
 

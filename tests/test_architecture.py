@@ -21,6 +21,10 @@
 - lost workers have one home: every backend subpackage has a `faults.py` with one `Faults`
   hook, and only the flow in `keras_mwms/backends/faults.py` reports a lost worker (the message
   and the bounded exit are the policy's, called from there alone).
+- every backend subpackage has the same modules for the same concepts (`SHARED_BACKEND_MODULES`),
+  so a change to one backend's step or patches has an obvious twin in the others;
+- the package root stays readable at a glance: at most `MAX_ROOT_MODULES` modules besides
+  `__init__.py`; a new concept goes into the subpackage of its layer (ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ MAX_CLASS_LINES = 300
 PRINTERS = ("keras_mwms.launch", "keras_mwms.cli", "keras_mwms.demo", "keras_mwms.benchmark", "keras_mwms.log")
 MAX_FUNCTION_LINES = 100
 LONG_FUNCTIONS_ALLOWED: set[str] = set()
+# engine: the Backend subclass and its collective port; patches: patch_table(backend); data: how
+# inputs reach this worker's step; step: the train step and its gradient all-reduce.
+SHARED_BACKEND_MODULES = ("engine", "patches", "data", "step", "faults")
+MAX_ROOT_MODULES = 13
 
 
 def module_files() -> dict[str, Path]:
@@ -415,3 +423,17 @@ def test_the_lost_worker_call_finder_finds_a_stray_report(tmp_path, monkeypatch)
     assert lost_worker_calls({"keras_mwms.backends.faults": tmp_path / "stray.py"}) == []
     assert lost_worker_calls({"keras_mwms.backends.jax.engine": tmp_path / "stray.py"}) == [
         "stray.py:1 worker_lost", "stray.py:2 start_exit_watchdog"]
+
+
+def test_the_backend_subpackages_share_their_module_names():
+    """The same concept has the same module name in every backend (`SHARED_BACKEND_MODULES`)."""
+    missing = [f"backends/{adapter}/{name}.py" for adapter in ADAPTERS for name in SHARED_BACKEND_MODULES
+               if not (PACKAGE / "backends" / adapter / f"{name}.py").exists()]
+    assert missing == []
+
+
+def test_at_most_a_few_modules_at_the_package_root():
+    """Start-up, devices, resume, diagnostics, ... live in subpackages; the root holds the user
+    surface, the registry, the core's few shared modules and the programs."""
+    root = sorted(path.name for path in PACKAGE.glob("*.py") if path.name != "__init__.py")
+    assert len(root) <= MAX_ROOT_MODULES, f"{len(root)} modules at keras_mwms/: {root}; move one into its layer's subpackage"

@@ -145,7 +145,7 @@ def test_keras_docstring_interrupt_and_resume_example(backend):
 
 
 def test_backup_write_is_atomic_and_keeps_the_previous_one(tmp_path):
-    from keras_mwms.backup_files import FORMAT, read_checkpoint, write_backup
+    from keras_mwms.resume.backup_files import FORMAT, read_checkpoint, write_backup
 
     first = write_backup(str(tmp_path), {"format": FORMAT, "epoch": 1}, [np.ones(3)], keep_previous=True)
     second = write_backup(str(tmp_path), {"format": FORMAT, "epoch": 2}, [np.zeros(3)], keep_previous=True)
@@ -207,9 +207,10 @@ def test_keras_own_callbacks_are_made_worker_aware_and_share_the_users_state(mon
     Multi-worker behaviour: tests/test_user_scripts.py (keras_callbacks, backup_and_restore)."""
     import keras
 
-    from keras_mwms import active, resumable_inputs
+    from keras_mwms import active
     from keras_mwms import callbacks as ours
     from keras_mwms.callbacks.worker_aware import worker_aware
+    from keras_mwms.resume import resumable_inputs
 
     class CountingCheckpoint(keras.callbacks.ModelCheckpoint):
         def on_epoch_end(self, epoch, logs=None):

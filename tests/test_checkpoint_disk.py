@@ -8,7 +8,7 @@ space left", the directory holds only complete, referenced checkpoints (the last
 stays loadable), and no worker process is left behind.
 
 One backend (torch) is enough: the write path is shared by all backends
-(`keras_mwms/backup_files.py` and `keras_mwms/io.py`, called by the backend-neutral callbacks
+(`keras_mwms/resume/backup_files.py` and `keras_mwms/resume/io.py`, called by the backend-neutral callbacks
 only on the chief); how the other workers notice the chief's exit is each backend's crashed-peer
 handling, covered per backend in `tests/test_faults.py`.
 
@@ -99,7 +99,7 @@ def assert_everyone_stopped(codes, exit_times, output, orphans) -> float:
 
 
 def test_backup_on_a_full_disk_stops_every_worker_and_keeps_the_last_good_backup(full_disk, tmp_path):
-    from keras_mwms.backup_files import POINTER_FILE, read_checkpoint
+    from keras_mwms.resume.backup_files import POINTER_FILE, read_checkpoint
 
     backup = full_disk(ONE_BACKUP_BYTES) / "backup"
     started = time.time()

@@ -1,4 +1,4 @@
-"""TF_CONFIG parsing, validation and the resolvers (keras_mwms/cluster.py)."""
+"""TF_CONFIG parsing, validation and the resolvers (keras_mwms/startup/cluster.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 
-from keras_mwms.cluster import (
+from keras_mwms.startup.cluster import (
     ClusterSpec,
     SimpleClusterResolver,
     TFConfigClusterResolver,

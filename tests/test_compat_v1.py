@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from keras_mwms.cluster import TFConfigClusterResolver
+from keras_mwms.startup.cluster import TFConfigClusterResolver
 from tests.multiworker import python_worker, run_gang, worker_env
 from tests.workers.common import load_result
 

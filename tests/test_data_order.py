@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from keras_mwms.data_order import DataOrder, epoch_permutation
 from keras_mwms.example_ledger import effective_steps
-from keras_mwms.resumable_inputs import wants_resumable_order
+from keras_mwms.resume.data_order import DataOrder, epoch_permutation
+from keras_mwms.resume.resumable_inputs import wants_resumable_order
 
 
 def test_each_epoch_is_a_permutation_fixed_by_seed_and_epoch_alone():
@@ -83,7 +83,7 @@ def test_only_resumable_callbacks_change_the_order():
 
 def test_a_reshuffling_tf_data_input_resumes_approximately_and_says_why():
     tf = pytest.importorskip("tensorflow")
-    from keras_mwms import resumable_inputs
+    from keras_mwms.resume import resumable_inputs
 
     class Backup:
         keras_mwms_resumable_order = True

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from keras_mwms.cluster import TFConfigClusterResolver
+from keras_mwms.startup.cluster import TFConfigClusterResolver
 from tests.multiworker import REPO, worker_env
 
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "guides").glob("*.md"))]

@@ -59,7 +59,7 @@ def report_for(group: str) -> dict:
 
 
 def test_every_module_is_found():
-    assert "keras_mwms.cluster" in MODULES and "keras_mwms.backends.policy" in MODULES
+    assert "keras_mwms.startup.cluster" in MODULES and "keras_mwms.backends.policy" in MODULES
     assert {group_of(module) for module in MODULES} == {"neutral", *BACKENDS}
 
 

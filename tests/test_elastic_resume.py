@@ -29,8 +29,8 @@ import numpy as np
 import pytest
 
 from keras_mwms.data import replica_slices
-from keras_mwms.data_order import epoch_permutation
 from keras_mwms.example_ledger import read_ledger
+from keras_mwms.resume.data_order import epoch_permutation
 from tests.multiworker import WORKERS_DIR, python_worker, run_gang, run_launcher, worker_env
 
 SCENARIO = "exact_resume.py"

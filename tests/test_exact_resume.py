@@ -12,7 +12,7 @@ that backup are trained twice, as after a real crash.
 Asserted per killed job: the final weights are bit-identical to the reference's (and on both
 workers); the `ExampleLedger` shows every example exactly once in each epoch, each step's
 global ids split between the workers by the replica contract, and each step's ids are
-`keras_mwms.data_order.epoch_permutation(seed, epoch)`'s — a pure function of the job seed
+`keras_mwms.resume.data_order.epoch_permutation(seed, epoch)`'s — a pure function of the job seed
 (one for the whole job, kept across the restart) and the epoch.
 """
 
@@ -24,8 +24,8 @@ import time
 import numpy as np
 import pytest
 
-from keras_mwms.data_order import epoch_permutation
 from keras_mwms.example_ledger import effective_steps, read_ledger
+from keras_mwms.resume.data_order import epoch_permutation
 from tests.multiworker import WORKERS_DIR, run_launcher, worker_env
 
 BACKENDS = ("tensorflow", "jax", "torch")

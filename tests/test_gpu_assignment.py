@@ -1,4 +1,4 @@
-"""Which GPUs a worker uses (`keras_mwms.gpu_assignment`), over faked environments: no GPU needed.
+"""Which GPUs a worker uses (`keras_mwms.devices.assignment`), over faked environments: no GPU needed.
 
 Worker side: N workers × G visible GPUs × backend × which local-rank variable is set, the
 launcher's narrowed environment, and the refusals. Launcher side: each worker's
@@ -21,7 +21,7 @@ import pytest
 from keras_mwms import devices, launch
 from keras_mwms.backends.policy import exclusive_gpus_reason
 from keras_mwms.communication import CommunicationImplementation as Impl
-from keras_mwms.gpu_assignment import (
+from keras_mwms.devices.assignment import (
     GPUS_PER_WORKER_ENV,
     LOCAL_RANK_VARIABLES,
     GpuAssignmentError,
@@ -247,7 +247,7 @@ def _meet(identities: list[dict], exclusive: str | None) -> list[str | None]:
     """Two in-process rendezvous (threads) with these identities; each one's error or None."""
     import threading
 
-    from keras_mwms.rendezvous import Rendezvous, RendezvousError
+    from keras_mwms.startup.rendezvous import Rendezvous, RendezvousError
 
     addresses = [f"localhost:{port}" for port in launch.find_free_ports(2)]
     errors: list[str | None] = [None, None]
@@ -406,7 +406,7 @@ def test_launcher_gives_each_real_worker_its_gpus(tmp_path):
 _TF_WIRING = """
 from tensorflow.python.distribute.collective_all_reduce_strategy import CollectiveAllReduceExtended
 from keras_mwms.backends.tensorflow.engine import tf_cluster_resolver
-from keras_mwms.cluster import SimpleClusterResolver
+from keras_mwms.startup.cluster import SimpleClusterResolver
 resolver = SimpleClusterResolver({"worker": ["h0:1", "h1:1"]}, "worker", 1)
 for gpus in (0, 2):
     # TF's strategy takes its local replicas from the resolver, whatever devices exist.
@@ -420,9 +420,9 @@ from unittest import mock
 import jax
 from jax._src import xla_bridge
 from keras_mwms.backends.jax import engine
-from keras_mwms.cluster import SimpleClusterResolver
+from keras_mwms.startup.cluster import SimpleClusterResolver
 from keras_mwms.communication import CommunicationOptions
-from keras_mwms.gpu_assignment import assign_gpus
+from keras_mwms.devices.assignment import assign_gpus
 resolver = SimpleClusterResolver({"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "worker", 1)
 with mock.patch("keras_mwms.devices.gpu_assignment", return_value=assign_gpus("jax", 4, 2, {"LOCAL_RANK": "1"})):
     backend = engine.JaxBackend(resolver, CommunicationOptions())

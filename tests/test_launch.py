@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from keras_mwms.cluster import parse_tf_config
 from keras_mwms.launch import Gang, describe_exit, exit_code_of, find_free_ports
+from keras_mwms.startup.cluster import parse_tf_config
 from tests.multiworker import REPO, WORKERS_DIR, run_launcher, worker_env
 
 WORKER = str(WORKERS_DIR / "launch_worker.py")

@@ -24,8 +24,8 @@ from keras_mwms import WorkerLostError
 from keras_mwms.backends import policy
 from keras_mwms.backends.base import Backend
 from keras_mwms.backends.patches import ANY_KERAS, Patch, PatchTable
-from keras_mwms.cluster import SimpleClusterResolver
 from keras_mwms.communication import BATCH_NORM_STATISTICS_ENV, CommunicationOptions
+from keras_mwms.startup.cluster import SimpleClusterResolver
 
 WAIT_SECONDS = 10.0
 

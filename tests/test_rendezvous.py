@@ -1,4 +1,4 @@
-"""The pre-flight rendezvous with real processes (keras_mwms/rendezvous.py); no ML backend."""
+"""The pre-flight rendezvous with real processes (keras_mwms/startup/rendezvous.py); no ML backend."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from keras_mwms.cluster import make_tf_config
 from keras_mwms.launch import find_free_ports
-from keras_mwms.rendezvous import Rendezvous, describe_difference
+from keras_mwms.startup.cluster import make_tf_config
+from keras_mwms.startup.rendezvous import Rendezvous, describe_difference
 from tests.multiworker import Spawn, python_worker, run_processes, worker_env
 
 

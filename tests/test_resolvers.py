@@ -11,7 +11,6 @@ import json
 
 import pytest
 
-from keras_mwms.cluster import TFConfigClusterResolver
 from keras_mwms.resolvers import (
     ClusterEnvironmentError,
     JaxClusterResolver,
@@ -22,6 +21,7 @@ from keras_mwms.resolvers import (
     detect_cluster_resolver,
 )
 from keras_mwms.resolvers.detect import describe_source
+from keras_mwms.startup.cluster import TFConfigClusterResolver
 
 SLURM = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "node[1-2]",
          "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0",
@@ -264,7 +264,7 @@ def test_jax_variables_alone_exchange_hosts_at_the_coordinator():
 
 
 def test_jax_variables_exchange_names_the_missing_rank_0():
-    from keras_mwms.rendezvous import RendezvousError
+    from keras_mwms.startup.rendezvous import RendezvousError
 
     with pytest.raises(RendezvousError, match="rank 0 never answered at 127.0.0.1:9 .*JAX_COORDINATOR_ADDRESS"):
         JaxClusterResolver(timeout=0.5, environ={"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1",
@@ -330,7 +330,7 @@ def test_rendezvous_names_the_port_convention_when_the_port_is_taken(make, advic
     """Another job already holds this worker's port: the rendezvous says so, with the resolver's way out."""
     import socket
 
-    from keras_mwms.rendezvous import Rendezvous, RendezvousError
+    from keras_mwms.startup.rendezvous import Rendezvous, RendezvousError
 
     with socket.socket() as occupant:
         occupant.bind(("127.0.0.1", 0))

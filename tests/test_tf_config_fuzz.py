@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from keras_mwms.cluster import TFConfigError, parse_tf_config
+from keras_mwms.startup.cluster import TFConfigError, parse_tf_config
 
 VALID = {"cluster": {"worker": ["localhost:2001", "localhost:2002"]},
          "task": {"type": "worker", "index": 0}}

@@ -1,4 +1,4 @@
-"""The host's cores split among its workers whatever started them (keras_mwms/threads.py).
+"""The host's cores split among its workers whatever started them (keras_mwms/devices/threads.py).
 
 The rules alone, then one real torch gang started the way `srun --ntasks 2` starts it on one
 node, with no thread variable set: before the split read only the launcher's variable, each
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from keras_mwms.threads import CHOSEN_ENV, local_workers, plan
+from keras_mwms.devices.threads import CHOSEN_ENV, local_workers, plan
 from tests.multiworker import Spawn, run_processes, worker_env
 from tests.test_advice import srun_environment
 from tests.test_resolvers_gangs import free_port_run

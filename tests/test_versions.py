@@ -50,7 +50,7 @@ def all_tables() -> list[PatchTable]:
     from keras_mwms.backends import callback_list, model_scope, resume
     from keras_mwms.backends.jax import patches as jax_patches
     from keras_mwms.backends.tensorflow import patches as tensorflow_patches
-    from keras_mwms.backends.tensorflow.gradients import RowWeighting
+    from keras_mwms.backends.tensorflow.step import RowWeighting
     from keras_mwms.backends.torch import patches as torch_patches
     from keras_mwms.diagnostics.patches import PATCHES as diagnostics_table
 

@@ -28,9 +28,9 @@ import numpy as np
 from keras_mwms import diagnostics
 from keras_mwms.backends import consistency, model_scope, policy
 from keras_mwms.backends.patches import PatchTable
-from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver
 from keras_mwms.communication import CommunicationOptions
 from keras_mwms.diagnostics import patches as diagnostics_patches
+from keras_mwms.startup.cluster import TF_CONFIG_ENV, ClusterResolver
 
 REDUCE_OPS = ("sum", "min", "max")
 

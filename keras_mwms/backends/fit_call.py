@@ -48,10 +48,11 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from keras_mwms import active, resumable_inputs
+from keras_mwms import active
 from keras_mwms.backends import model_scope, policy
 from keras_mwms.backends.keras_api import internals
 from keras_mwms.data import first_batch_digest
+from keras_mwms.resume import resumable_inputs
 
 TRAINING = ("fit", "train_on_batch")           # these change the weights: refused outside the scope
 ON_THIS_WORKER = ("predict", "predict_on_batch")   # no collective: one worker may call them alone

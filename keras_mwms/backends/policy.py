@@ -42,10 +42,10 @@ from typing import Any
 import numpy as np
 
 from keras_mwms import diagnostics
-from keras_mwms.advice import advice_for
 from keras_mwms.backends.keras_api import attributes
 from keras_mwms.errors import WorkerLostError
 from keras_mwms.log import get_logger
+from keras_mwms.startup.advice import advice_for
 
 logger = get_logger(__name__)
 
@@ -435,7 +435,7 @@ def exclusive_gpus_reason(backend: str, requested: Any, gpu_count: int) -> str |
     if gpu_count <= 0:
         return None
     from keras_mwms.communication import CommunicationImplementation
-    from keras_mwms.gpu_assignment import SET_A_LOCAL_RANK
+    from keras_mwms.devices.assignment import SET_A_LOCAL_RANK
 
     fix = ("NCCL cannot run two ranks on one GPU (it would fail later with 'Duplicate GPU "
            f"detected'). Give each worker its own GPU: {SET_A_LOCAL_RANK}")
@@ -459,7 +459,7 @@ def worker_label(resolver: Any, rank: int) -> str:
 
     Example:
 
-    >>> from keras_mwms.cluster import SimpleClusterResolver
+    >>> from keras_mwms.startup.cluster import SimpleClusterResolver
     >>> worker_label(SimpleClusterResolver({"worker": ["h0:1", "h1:2"]}, "worker", 0), 1)
     'worker 1 (worker:1 at h1:2)'
     """
@@ -523,7 +523,7 @@ def raise_worker_lost(backend: Any, where: str, error: BaseException, lost_ranks
     Example:
 
     >>> from types import SimpleNamespace as Object
-    >>> from keras_mwms.cluster import SimpleClusterResolver
+    >>> from keras_mwms.startup.cluster import SimpleClusterResolver
     >>> from keras_mwms.communication import CommunicationOptions
     >>> resolver = SimpleClusterResolver({"worker": ["h0:1", "h1:2"]}, "worker", 0)
     >>> backend = Object(resolver=resolver, worker_index=0,

@@ -9,7 +9,7 @@ the batches of the steps already done, and numbering continues at that step.
 Batches are pulled, not skipped by index, so every input kind (arrays, tf.data, PyDataset,
 generators) and every worker advances identically — the data position maps to global steps,
 which is what makes restoring with a different number of workers correct. An input that
-starts at the saved position itself (`keras_mwms.resumable_inputs`' ordered stream) skips the
+starts at the saved position itself (`keras_mwms.resume.resumable_inputs`' ordered stream) skips the
 numbering only (`pull=False`): nothing is read just to be discarded.
 """
 

@@ -142,7 +142,7 @@ def messages_per_step(backend: str, gradient_bytes: int) -> int:
 
     torch: its gradient buckets (the metric states and row counts ride in the last one); JAX's
     flat path: one vector (metrics ride along); TensorFlow with Keras' own train step: the
-    gradients in one pack with the row count riding along (`keras_mwms.backends.tensorflow.gradients`),
+    gradients in one pack with the row count riding along (`keras_mwms.backends.tensorflow.step`),
     then the metric states (their sync-on-read variables, read for the step's logs); a custom
     `train_step` adds a scalar all-reduce of the row counts first. (Counted in a traced step.)
 

@@ -123,7 +123,7 @@ def run_keras_nightly_role(config: BenchmarkConfig, result: dict) -> None:
     import torch.distributed as dist
 
     from keras_mwms.benchmark.models import synthetic_data
-    from keras_mwms.cluster import split_address
+    from keras_mwms.startup.cluster import split_address
 
     tf_config = json.loads(os.environ["TF_CONFIG"])
     addresses = tf_config["cluster"]["worker"]

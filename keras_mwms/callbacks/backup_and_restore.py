@@ -9,11 +9,11 @@ import time
 
 import keras
 
-from keras_mwms import backup_files, io, resumable_inputs
 from keras_mwms.backends import resume
 from keras_mwms.callbacks import coordination
 from keras_mwms.errors import BackupAndRestoreError
 from keras_mwms.log import get_logger
+from keras_mwms.resume import backup_files, io, resumable_inputs
 
 logger = get_logger(__name__)
 
@@ -52,7 +52,7 @@ class BackupAndRestore(keras.callbacks.Callback):
       epoch is keras_mwms' own while this callback is in `fit`: a pure function of a job seed
       (drawn by the chief from NumPy's global state, so `keras.utils.set_random_seed` fixes
       it) and the epoch, the same on every worker and for any worker count (see
-      `keras_mwms.resumable_inputs`). The backup stores the seed, the epoch and the global
+      `keras_mwms.resume.resumable_inputs`). The backup stores the seed, the epoch and the global
       step, and a restarted job reads on from the next global batch: its final weights are
       the uninterrupted run's, bit for bit. A tf.data pipeline that reshuffles every epoch
       (or shuffles unseeded) keeps its order inside TensorFlow's iterator: a restart then

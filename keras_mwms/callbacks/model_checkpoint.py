@@ -8,9 +8,9 @@ import tempfile
 
 import keras
 
-from keras_mwms import io
 from keras_mwms.callbacks import coordination
 from keras_mwms.log import get_logger
+from keras_mwms.resume import io
 
 logger = get_logger(__name__)
 

@@ -25,7 +25,7 @@ import socket
 import zlib
 
 from keras_mwms import settings
-from keras_mwms.cluster import split_address
+from keras_mwms.startup.cluster import split_address
 
 MAX_DATAGRAM = 60000
 LAUNCHER_ADDRESS_ENV = settings.DIAGNOSTICS_ADDRESS.name

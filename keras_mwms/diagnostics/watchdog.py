@@ -54,12 +54,12 @@ import time
 import traceback as traceback_module
 from typing import TextIO
 
-from keras_mwms.cluster import split_address
 from keras_mwms.diagnostics import report as reports
 from keras_mwms.diagnostics import verdict as verdicts
 from keras_mwms.diagnostics.channel import Channel, resolve
 from keras_mwms.diagnostics.ledger import Ledger
 from keras_mwms.log import get_logger
+from keras_mwms.startup.cluster import split_address
 
 logger = get_logger(__name__)
 HANG_EXIT_CODE = 5

@@ -19,13 +19,13 @@ import warnings
 from collections.abc import Callable, Mapping
 
 from keras_mwms import settings
-from keras_mwms.cluster import TF_CONFIG_ENV, ClusterResolver, TFConfigClusterResolver
 from keras_mwms.resolvers.environment import environment_error, read_int
 from keras_mwms.resolvers.jax_processes import JaxClusterResolver
 from keras_mwms.resolvers.mpi import MPIClusterResolver, mpi_flavour
 from keras_mwms.resolvers.skypilot import SkyPilotClusterResolver, node_ips, workers_per_node
 from keras_mwms.resolvers.slurm import SlurmClusterResolver
 from keras_mwms.resolvers.torchrun import TorchrunClusterResolver
+from keras_mwms.startup.cluster import TF_CONFIG_ENV, ClusterResolver, TFConfigClusterResolver
 
 SOURCE_ENV = settings.CLUSTER_SOURCE.name
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from keras_mwms.cluster import WORKER, ClusterResolver, ClusterSpec, format_address
 from keras_mwms.errors import ClusterEnvironmentError
+from keras_mwms.startup.cluster import WORKER, ClusterResolver, ClusterSpec, format_address
 
 
 def environment_error(variable: str, value: object, problem: str, fix: str) -> ClusterEnvironmentError:
@@ -91,7 +91,7 @@ class EnvironmentClusterResolver(ClusterResolver):
     """
 
     source: str = "environment"
-    # The start-up and lost-worker errors' advice (`keras_mwms.advice`), in the orchestrator's words.
+    # The start-up and lost-worker errors' advice (`keras_mwms.startup.advice`), in the orchestrator's words.
     members_advice: str = "Start every process of the job (on every node)"
     restart_advice: str = "Restart every process of the job"
     port_advice: str = ("set KERAS_MWMS_PORT_BASE, the same on every task, to the start of a free "

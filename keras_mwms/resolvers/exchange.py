@@ -20,9 +20,9 @@ import json
 import socket
 import time
 
-from keras_mwms import network
-from keras_mwms.cluster import format_address
-from keras_mwms.rendezvous import RendezvousError
+from keras_mwms.startup import network
+from keras_mwms.startup.cluster import format_address
+from keras_mwms.startup.rendezvous import RendezvousError
 
 RETRY_SECONDS = 0.1
 

@@ -19,7 +19,6 @@ import os
 from collections.abc import Mapping, Sequence
 
 from keras_mwms import settings
-from keras_mwms.cluster import split_address
 from keras_mwms.resolvers.environment import (
     EnvironmentClusterResolver,
     addresses_by_rank,
@@ -29,6 +28,7 @@ from keras_mwms.resolvers.environment import (
 )
 from keras_mwms.resolvers.exchange import exchange_hosts
 from keras_mwms.resolvers.hostlist import given_hosts, nodes_share
+from keras_mwms.startup.cluster import split_address
 
 HOSTS_ENV = settings.HOSTS.name
 COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"

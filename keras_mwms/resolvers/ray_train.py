@@ -15,8 +15,8 @@ import os
 import socket
 from collections.abc import Sequence
 
-from keras_mwms.cluster import format_address
 from keras_mwms.resolvers.jax_processes import JaxClusterResolver
+from keras_mwms.startup.cluster import format_address
 
 
 def _free_port(host: str) -> int:

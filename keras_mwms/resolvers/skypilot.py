@@ -20,7 +20,7 @@ import os
 from collections.abc import Mapping
 
 from keras_mwms import settings
-from keras_mwms.gpu_assignment import infer_local_rank
+from keras_mwms.devices.assignment import infer_local_rank
 from keras_mwms.resolvers.environment import (
     EnvironmentClusterResolver,
     addresses_by_rank,

@@ -24,7 +24,6 @@ import subprocess
 from collections.abc import Mapping
 
 from keras_mwms import settings
-from keras_mwms.cluster import WORKER
 from keras_mwms.resolvers.environment import (
     EnvironmentClusterResolver,
     addresses_by_rank,
@@ -35,6 +34,7 @@ from keras_mwms.resolvers.environment import (
 )
 from keras_mwms.resolvers.hostlist import expand_hostlist, expand_tasks_per_node
 from keras_mwms.resolvers.ports import port_base_for_job
+from keras_mwms.startup.cluster import WORKER
 
 NODELIST_VARIABLES = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
 TASKS_PER_NODE_VARIABLES = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
@@ -199,7 +199,7 @@ class SlurmClusterResolver(EnvironmentClusterResolver):
         if self._auto_set_gpu and self._gpus_per_task:
             os.environ["CUDA_VISIBLE_DEVICES"] = self.visible_devices
             # These are this task's GPUs: the backends use them all, not one by SLURM_LOCALID
-            # (`keras_mwms.gpu_assignment`, as for the launcher's).
+            # (`keras_mwms.devices.assignment`, as for the launcher's).
             os.environ[settings.GPUS_PER_WORKER.name] = str(self._gpus_per_task)
 
     def cluster_spec(self):

@@ -24,7 +24,7 @@ NUM_CLASSES = 3
 
 def worker_index() -> int:
     """This process's rank from TF_CONFIG (0 for the single-process reference)."""
-    from keras_mwms.cluster import TFConfigClusterResolver
+    from keras_mwms.startup.cluster import TFConfigClusterResolver
 
     return TFConfigClusterResolver().worker_index or 0
 

@@ -1,6 +1,6 @@
 """Runs the docstring examples of the given modules in this process; prints one JSON report.
 
-Usage: `KERAS_BACKEND=jax python tests/workers/doctests.py keras_mwms.cluster ...`. Each
+Usage: `KERAS_BACKEND=jax python tests/workers/doctests.py keras_mwms.startup.cluster ...`. Each
 module's result is `{"failed": n, "attempted": n, "output": "..."}`; an import error counts as
 one failure with its traceback as the output.
 """

@@ -74,8 +74,8 @@ def main() -> None:
     if arguments.late_worker == index:
         # Late relative to the chief, whatever the import times: wait until the chief is in the
         # rendezvous (its port accepts), then S seconds more, and only then import anything.
-        from keras_mwms.cluster import split_address
-        from keras_mwms.network import wait_until_accepting
+        from keras_mwms.startup.cluster import split_address
+        from keras_mwms.startup.network import wait_until_accepting
 
         chief = json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"][0]
         wait_until_accepting(*split_address(chief), timeout=300)

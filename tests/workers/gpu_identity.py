@@ -17,7 +17,7 @@ from common import REPO, worker_index  # noqa: F401  (puts the repo on sys.path)
 
 import keras_mwms  # noqa: E402
 from keras_mwms.backends import backend_class  # noqa: E402
-from keras_mwms.rendezvous import RendezvousError  # noqa: E402
+from keras_mwms.startup.rendezvous import RendezvousError  # noqa: E402
 
 implementation, out = sys.argv[1], sys.argv[2]
 backend_class(keras.backend.backend())

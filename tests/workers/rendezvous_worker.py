@@ -15,8 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from keras_mwms.cluster import TFConfigClusterResolver, split_address  # noqa: E402
-from keras_mwms.rendezvous import Rendezvous, RendezvousError  # noqa: E402
+from keras_mwms.startup.cluster import TFConfigClusterResolver, split_address  # noqa: E402
+from keras_mwms.startup.rendezvous import Rendezvous, RendezvousError  # noqa: E402
 
 time.sleep(float(os.environ.get("RDV_START_DELAY", "0")))
 started = time.monotonic()

@@ -17,7 +17,7 @@ from keras_mwms.backends import resume  # noqa: E402
 backend = os.environ["KERAS_BACKEND"]
 stand_in = types.SimpleNamespace(strategy=object(), row_weighting=None)   # the table's backend
 if backend == "tensorflow":
-    from keras_mwms.backends.tensorflow.gradients import RowWeighting
+    from keras_mwms.backends.tensorflow.step import RowWeighting
 
     stand_in.row_weighting = RowWeighting(None)
 table = importlib.import_module(f"keras_mwms.backends.{backend}.patches").patch_table(stand_in)

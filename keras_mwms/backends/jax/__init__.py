@@ -7,8 +7,8 @@
 * `surface` — the tf.distribute-style `run`, `reduce`, local results and distributed datasets;
 * `patches` — the private-Keras patch table (`PATCHES`);
 * `data` — global batches placed for each path (rows per worker, global arrays);
-* `flat` — the flat train step: one flat gradient all-reduce per step, outside Keras' jit;
-* `flat_payload` — what that step sends: its values packed into one vector per dtype, and
+* `step` — the flat train step: one flat gradient all-reduce per step, outside Keras' jit;
+* `step_payload` — what that step sends: its values packed into one vector per dtype, and
   read back (pure JAX, no model).
 
 Example:

@@ -10,7 +10,7 @@ places it itself, one placer per path:
 * the **flat path** (`LocalRowsPlacer`): this worker's rows of every global batch, as numpy,
   following `keras_mwms.data.replica_slices` — the global batch is split in rank order and a
   short last batch fills the workers in order, so trailing workers may get no rows (their step
-  runs on a zero-weight row, see `keras_mwms.backends.jax.flat`);
+  runs on a zero-weight row, see `keras_mwms.backends.jax.step`);
 * the **DataParallel path** (`GlobalArrayPlacer`): one global `jax.Array` per leaf, sharded when
   the batch divides evenly over all replicas and replicated otherwise (see its docstring for
   why a short batch cannot follow `replica_slices` there);
@@ -344,7 +344,7 @@ def adapter_for(backend: Any, path: str, x: Any, y: Any = None, sample_weight: A
 def placer_for(backend: Any, path: str, global_batch_size: int | None = None) -> Any:
     """How a global batch reaches the step: global arrays (DataParallel), this worker's rows
     (flat), or untouched (one device, and `EVERY_ROW`)."""
-    from keras_mwms.backends.jax.flat import FLAT
+    from keras_mwms.backends.jax.step import FLAT
 
     if backend.mesh is None or path == EVERY_ROW:
         return IdentityPlacer()

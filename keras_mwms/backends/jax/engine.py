@@ -9,7 +9,7 @@ Start-up (after keras_mwms' rendezvous, before any JAX computation):
    coordination service listens on the chief's `TF_CONFIG` host, and gloo on each worker's
    `TF_CONFIG` host, when those are addresses of the machine (else JAX's defaults);
 3. choose the training path (`CommunicationOptions.jax_path`, see
-   `keras_mwms.backends.jax.flat`):
+   `keras_mwms.backends.jax.step`):
 
    * **flat** (default with one device per worker): ordinary local variables, identical on
      every worker; Keras' train step split around ONE flat all-reduce of the gradients per
@@ -45,7 +45,7 @@ import numpy as np
 from keras_mwms import devices
 from keras_mwms.backends import policy
 from keras_mwms.backends.base import Backend
-from keras_mwms.backends.jax import flat, patches, surface
+from keras_mwms.backends.jax import patches, step, surface
 from keras_mwms.backends.jax.faults import JaxFaults, coordination_client
 from keras_mwms.backends.patches import ObjectState, PatchTable
 from keras_mwms.communication import CommunicationImplementation
@@ -111,7 +111,7 @@ class JaxBackend(Backend):
 
     def __init__(self, resolver, options, tf_config_at_creation: str = ""):
         super().__init__(resolver, options, tf_config_at_creation)
-        # This worker's GPUs (`keras_mwms.gpu_assignment`); JAX restricts itself to them at join.
+        # This worker's GPUs (`keras_mwms.devices.assignment`); JAX restricts itself to them at join.
         self.gpu_assignment = devices.gpu_assignment("jax", self.num_workers)
         self._engine = resolve_engine(options.implementation, len(self.gpu_assignment.gpus))
         self._joined = False
@@ -119,7 +119,7 @@ class JaxBackend(Backend):
         self._distribution = None
         self._mesh = None
         self._collective_counter = 0
-        self._path = flat.SINGLE
+        self._path = step.SINGLE
         self._collectives = None
         self._scope_depth = 0
         self._scope_exits = 0
@@ -159,17 +159,17 @@ class JaxBackend(Backend):
             self._distribution = keras.distribution.DataParallel(devices=all_devices, auto_shard_dataset=False)
             self._mesh = self._distribution.device_mesh.backend_mesh
             if self.num_workers > 1:
-                self._collectives = flat.FlatCollectives(self.is_chief)
-            if self.num_workers > 1 and jax.local_device_count() == 1 and requested != flat.DATA_PARALLEL:
+                self._collectives = step.FlatCollectives(self.is_chief)
+            if self.num_workers > 1 and jax.local_device_count() == 1 and requested != step.DATA_PARALLEL:
                 # The flat path: local variables, one flat all-reduce per step. The DataParallel
                 # distribution is only entered per model that needs it.
-                self._path = flat.FLAT
+                self._path = step.FLAT
             else:
-                if requested == flat.FLAT:
+                if requested == step.FLAT:
                     warnings.warn(f"jax_path='flat': this worker has {jax.local_device_count()} local "
                                   "devices; the flat path serves one device per worker, so keras_mwms "
                                   "uses keras.distribution.DataParallel.", stacklevel=3)
-                self._path = flat.DATA_PARALLEL
+                self._path = step.DATA_PARALLEL
                 keras.distribution.set_distribution(self._distribution)
         self._joined = True
 
@@ -188,7 +188,7 @@ class JaxBackend(Backend):
         if not self._joined:
             return
         self._joined = False
-        if self._path == flat.DATA_PARALLEL:
+        if self._path == step.DATA_PARALLEL:
             import keras
 
             keras.distribution.set_distribution(None)
@@ -229,19 +229,19 @@ class JaxBackend(Backend):
 
     @property
     def collectives(self):
-        """The `flat.FlatCollectives` of this cluster (None on a single worker)."""
+        """The `step.FlatCollectives` of this cluster (None on a single worker)."""
         return self._collectives
 
     def model_path(self, model) -> str:
-        """The path `model` trains on, decided at its first `fit`/`evaluate`/`predict` (see `flat.choose_path`)."""
-        if self._path != flat.FLAT:
+        """The path `model` trains on, decided at its first `fit`/`evaluate`/`predict` (see `step.choose_path`)."""
+        if self._path != step.FLAT:
             return self._path
         state = self.models.of(model)
         if getattr(state, "path", None) is None:
-            reason = flat.can_run_flat(model, self.options)
-            state.path = flat.choose_path(self.options.jax_path, reason)
-            if reason is not None and state.path == flat.FLAT:
-                flat.warn_flat_batch_norm(model, reason)
+            reason = step.can_run_flat(model, self.options)
+            state.path = step.choose_path(self.options.jax_path, reason)
+            if reason is not None and state.path == step.FLAT:
+                step.warn_flat_batch_norm(model, reason)
         return state.path
 
     def pin_path(self, model, path: str) -> None:
@@ -249,8 +249,8 @@ class JaxBackend(Backend):
 
         Set before the model's first `fit` (the benchmark times both paths side by side).
         """
-        if path not in (flat.FLAT, flat.DATA_PARALLEL):
-            raise ValueError(f"path must be {flat.FLAT!r} or {flat.DATA_PARALLEL!r}, got {path!r}")
+        if path not in (step.FLAT, step.DATA_PARALLEL):
+            raise ValueError(f"path must be {step.FLAT!r} or {step.DATA_PARALLEL!r}, got {path!r}")
         self.models.of(model).path = path
 
     # -- scope ----------------------------------------------------------------------------
@@ -269,7 +269,7 @@ class JaxBackend(Backend):
     @contextlib.contextmanager
     def _scope(self):
         inner = (self._distribution.scope() if self._distribution is not None
-                 and self._path == flat.DATA_PARALLEL else contextlib.nullcontext())
+                 and self._path == step.DATA_PARALLEL else contextlib.nullcontext())
         self._scope_depth += 1
         try:
             with inner:
@@ -410,7 +410,7 @@ def agree_on_variables(backend: JaxBackend, variables: list, key: str) -> None:
             f"the chief {chief_signature[:4]}...). Every worker must run the same "
             "`with strategy.scope():` blocks, creating the same models and optimizers in the same "
             "order; build models that only one worker needs outside the scope.")
-    flat.assign_values(variables, values)
+    step.assign_values(variables, values)
 
 
 def initialize_distributed(backend: Backend) -> bool:
@@ -459,12 +459,12 @@ def coordinator_bind_address(resolver) -> str | None:
 
     Example:
 
-    >>> from keras_mwms.cluster import SimpleClusterResolver
+    >>> from keras_mwms.startup.cluster import SimpleClusterResolver
     >>> coordinator_bind_address(SimpleClusterResolver({"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}, "worker", 0))
     '127.0.0.1:2222'
     """
-    from keras_mwms import network
-    from keras_mwms.cluster import split_address
+    from keras_mwms.startup import network
+    from keras_mwms.startup.cluster import split_address
 
     if resolver.worker_index != 0:
         return None
@@ -483,8 +483,8 @@ def bind_gloo_to_tf_config_host(resolver) -> None:
     `xla_bridge` does, with `make_gloo_tcp_collectives(hostname=...)`. Private JAX API, so a
     JAX without it keeps its default (with a logged warning) instead of failing.
     """
-    from keras_mwms import network
-    from keras_mwms.cluster import split_address
+    from keras_mwms.startup import network
+    from keras_mwms.startup.cluster import split_address
 
     own_host = split_address(resolver.worker_addresses[resolver.worker_index])[0]
     if network.interface_of(own_host) is None:

@@ -32,7 +32,7 @@ The rows, by what they achieve:
   "Fetching value for jax.Array that spans non-addressable devices"; each worker computes every
   row it is given on its own device, from its copy of the variables, with no collective.
 * **flat step** (`flat-train-step`, `flat-test-step`, `global-metrics`) — on the flat path
-  (`keras_mwms.backends.jax.flat`) the train step is split around one flat all-reduce, a worker
+  (`keras_mwms.backends.jax.step`) the train step is split around one flat all-reduce, a worker
   with no rows of a step leaves its metric state alone, and results come from the all-worker
   metric state.
 * **DataParallel step of keras_mwms** (inside `flat-train-step`, and `sharded-batch-norm-moments`)
@@ -61,7 +61,7 @@ import numpy as np
 
 from keras_mwms import active
 from keras_mwms.backends import fit_call, policy
-from keras_mwms.backends.jax import data, flat, sharded_step
+from keras_mwms.backends.jax import data, sharded_step, step
 from keras_mwms.backends.keras_api import attributes, internals, targets
 from keras_mwms.backends.patches import Patch, PatchTable
 from keras_mwms.diagnostics.ledger import counted_in_graph
@@ -199,10 +199,10 @@ def _model_context(backend, model, path):
     communication; the state broadcast at entry then gives them the chief's values), also
     those a local `predict` built; while the cluster runs the flat path, the DataParallel
     distribution is entered for the call."""
-    if path != flat.DATA_PARALLEL or backend.mesh is None:
+    if path != step.DATA_PARALLEL or backend.mesh is None:
         return contextlib.nullcontext()
     _make_variables_global(backend, model)
-    return backend.distribution.scope() if backend.path == flat.FLAT else contextlib.nullcontext()
+    return backend.distribution.scope() if backend.path == step.FLAT else contextlib.nullcontext()
 
 
 def _make_variables_global(backend, model) -> None:
@@ -211,7 +211,7 @@ def _make_variables_global(backend, model) -> None:
 
     replicated = NamedSharding(backend.mesh, PartitionSpec())
     device = jax.local_devices()[0]
-    for variable in flat.model_state_variables(model):
+    for variable in step.model_state_variables(model):
         value = attributes.variable_value(variable)
         if isinstance(value, jax.Array) and isinstance(value.sharding, NamedSharding):
             continue
@@ -252,7 +252,7 @@ def _predict_local_function(original):
                 ([local_copy(v) for v in trainable], [local_copy(v) for v in non_trainable]), batch)
             return outputs, (trainable, non_trainable)
 
-        self.predict_function = flat.iterator_function(self, predict_step, concatenate_outputs=True)
+        self.predict_function = step.iterator_function(self, predict_step, concatenate_outputs=True)
         return self.predict_function
 
     return make_predict_function
@@ -279,27 +279,27 @@ def _sync_state(backend, model) -> None:
     into training."""
     if backend.models.get(model, "synced", False):
         return
-    variables = flat.model_state_variables(model)
+    variables = step.model_state_variables(model)
     # A window of gradient accumulation left open by the last fit goes on as in one process.
-    open_window = flat.open_accumulators(model) if _on_flat_path(backend, model) else []
+    open_window = step.open_accumulators(model) if _on_flat_path(backend, model) else []
     if open_window:
         summed = backend.all_reduce(np.concatenate([np.asarray(v.value).ravel() for v in open_window]))
-        flat.assign_values(open_window, flat.split_like(summed, open_window))
+        step.assign_values(open_window, step.split_like(summed, open_window))
     values = backend.broadcast_arrays([np.asarray(variable.value) for variable in variables])
-    flat.assign_values(variables, values)
+    step.assign_values(variables, values)
     if open_window and backend.worker_index != 0:   # the broadcast's source keeps the sum
-        flat.assign_values(open_window, [np.zeros(v.shape, v.dtype) for v in open_window])
+        step.assign_values(open_window, [np.zeros(v.shape, v.dtype) for v in open_window])
     backend.models.of(model).synced = True
 
 
 def _on_flat_path(backend, model) -> bool:
-    return backend.model_path(model) == flat.FLAT
+    return backend.model_path(model) == step.FLAT
 
 
 def _flat_function(attribute: str, build):
     """A replacement factory for `make_train_function`/`make_test_function`: on several workers
     the model's state is agreed first (see `_sync_state`); on the flat path
-    `model.<attribute>` becomes `flat.iterator_function(model, build(backend, model))`."""
+    `model.<attribute>` becomes `step.iterator_function(model, build(backend, model))`."""
     def replacement(original):
         signature = inspect.signature(original)
 
@@ -315,7 +315,7 @@ def _flat_function(attribute: str, build):
                     if random_layer is None:   # keras_mwms issues the gradient collective
                         force = signature.bind(self, *args, **kwargs).arguments.get("force", False)
                         if self.train_function is None or force:
-                            self.train_function = counted_in_graph(flat.iterator_function(
+                            self.train_function = counted_in_graph(step.iterator_function(
                                 self, sharded_step.make_sharded_train_step(self, backend)))
                         return self.train_function
                     if backend.options.compression:
@@ -330,7 +330,7 @@ def _flat_function(attribute: str, build):
                 return result
             force = signature.bind(self, *args, **kwargs).arguments.get("force", False)
             if getattr(self, attribute) is None or force:
-                setattr(self, attribute, flat.iterator_function(self, build(backend, self)))
+                setattr(self, attribute, step.iterator_function(self, build(backend, self)))
 
         return make_function
 
@@ -351,7 +351,7 @@ def _sharded_batch_norm_moments(original):
 
 def _flat_train_step(backend, model):
     """Keras' jitted step split around one flat gradient all-reduce."""
-    return flat.make_flat_train_step(
+    return step.make_flat_train_step(
         model, backend.collectives,
         lambda call, where="gradient all-reduce": backend.faults.guard(where, call),
         backend.all_gather, compression=backend.options.compression)
@@ -365,7 +365,7 @@ def _flat_test_step(backend, model):
     if not model.run_eagerly and model.jit_compile:
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # one compile
         test_step = jax.jit(model.test_step, donate_argnums=0, in_shardings=device, out_shardings=device)
-    return flat.skip_empty_test_step(model, test_step)
+    return step.skip_empty_test_step(model, test_step)
 
 
 def _global_metrics(original):

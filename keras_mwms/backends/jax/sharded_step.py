@@ -45,7 +45,7 @@ import numpy as np
 
 from keras_mwms.backends import policy
 from keras_mwms.backends.compression import WIRE, wire_dtype
-from keras_mwms.backends.jax.flat_payload import MicroStepCounter, from_wire, to_wire
+from keras_mwms.backends.jax.step_payload import MicroStepCounter, from_wire, to_wire
 from keras_mwms.backends.keras_api import attributes
 
 _TRACING: list = []   # (axis name, batch sharded) while a sharded step is traced

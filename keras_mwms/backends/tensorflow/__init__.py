@@ -10,9 +10,9 @@ module:
   `keras_mwms.backends.faults`);
 - `patches` — the one table of Keras/TF internals patched (the two Keras crash repairs, the
   trainer wrappers, the row weighting), installed by the strategy and removed at `close()`;
-- `trainer` — the `fit` / `evaluate` / `predict` wrappers that keep N workers equivalent to one
+- `fit_hooks` — the `fit` / `evaluate` / `predict` wrappers that keep N workers equivalent to one
   process;
-- `gradients` — row-weighted loss scaling and the all-reduce before the optimizer update;
+- `step` — row-weighted loss scaling and the all-reduce before the optimizer update;
 - `data` — `AutoShardPolicy.OFF` datasets at their full length, and a build batch that consumes
   no data.
 

@@ -2,7 +2,7 @@
 
 With `gradient_accumulation_steps=K` Keras adds each micro-step's gradient to the optimizer's
 accumulators and applies `(gradient + accumulated) / K` every K-th micro-step. Under
-`keras_mwms.backends.tensorflow.gradients.RowWeighting` every micro-step's gradient was
+`keras_mwms.backends.tensorflow.step.RowWeighting` every micro-step's gradient was
 all-reduced before that (exact, but K collectives of the whole gradient per update). Here each
 worker keeps its own share of the window instead:
 

@@ -7,7 +7,7 @@ silently stops halfway. `distribute_unsharded_dataset` distributes the dataset w
 step count, after checking that every worker runs the same number of steps (else their
 collectives would pair wrongly or hang).
 
-**Resumable ordered streams** (`keras_mwms.resumable_inputs`) are fed as a tf.data pipeline
+**Resumable ordered streams** (`keras_mwms.resume.resumable_inputs`) are fed as a tf.data pipeline
 whose element `i` is the stream's item `i`, read by a `tf.py_function` (`stream_dataset`), not
 through Keras' `PyDataset` adapter: that adapter's `from_generator` keeps each epoch's position
 in a Python generator, read ahead in TF's threads; a pure function of the element index gives

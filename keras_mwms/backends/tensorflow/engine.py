@@ -40,11 +40,12 @@ from keras_mwms.backends.base import Backend
 from keras_mwms.backends.patches import PatchTable
 from keras_mwms.backends.tensorflow import patches
 from keras_mwms.backends.tensorflow.faults import TensorFlowFaults
-from keras_mwms.backends.tensorflow.gradients import RowWeighting
-from keras_mwms.cluster import ClusterResolver
+from keras_mwms.backends.tensorflow.step import RowWeighting
+from keras_mwms.startup.cluster import ClusterResolver
 from keras_mwms.communication import CommunicationImplementation, CommunicationOptions
 from keras_mwms.diagnostics import LEDGER
 from keras_mwms.errors import StrategyCreatedTooLateError
+from keras_mwms.startup.cluster import ClusterResolver
 
 # TF's per-collective timeout starts one sleeping thread per collective for its whole duration
 # (≈2,500 live threads per worker after a short benchmark at 300 s), so by default we set none:
@@ -119,7 +120,7 @@ class TensorFlowBackend(Backend):
         super().__init__(resolver, options, tf_config_at_creation)
         from keras_mwms import devices
 
-        # This worker's GPUs (`keras_mwms.gpu_assignment`): its local replicas, or the CPU.
+        # This worker's GPUs (`keras_mwms.devices.assignment`): its local replicas, or the CPU.
         self.gpu_assignment = devices.gpu_assignment("tensorflow", self.num_workers)
         self.gpu_count = len(self.gpu_assignment.gpus)
         self.implementation = CommunicationImplementation(

@@ -10,7 +10,7 @@ worker) are a desync, not a lost peer: the hang report's round names it and ends
 
 Example:
 
->>> from keras_mwms.cluster import SimpleClusterResolver
+>>> from keras_mwms.startup.cluster import SimpleClusterResolver
 >>> resolver = SimpleClusterResolver({"worker": ["h0:1", "h1:2"]}, "worker", 0)
 >>> lost_ranks("Socket closed: /job:worker/replica:0/task:1", resolver, 0)
 [1]
@@ -36,7 +36,7 @@ def lost_ranks(text: str, resolver: Any, own_rank: int) -> list[int]:
 
     Example:
 
-    >>> from keras_mwms.cluster import SimpleClusterResolver
+    >>> from keras_mwms.startup.cluster import SimpleClusterResolver
     >>> resolver = SimpleClusterResolver({"worker": ["h0:1", "h1:2", "h2:3"]}, "worker", 0)
     >>> lost_ranks("/job:worker/replica:0/task:0 saw: the following tasks are unhealthy "
     ...            "(stopped sending heartbeats): /job:worker/replica:0/task:2", resolver, 0)

@@ -2,15 +2,15 @@
 
 Keras 3.15.1's TensorFlow trainer crashes under a multi-worker `tf.distribute` strategy (two
 crashes, repaired by `_maybe_symbolic_build` and `_make_reduce_per_replica` below), weighs rows
-unlike one process and clips partial gradients (`gradients.RowWeighting`), and needs the
-equivalence wrappers around `fit` / `evaluate` / `predict` (`keras_mwms.backends.fit_call`, `trainer.TensorFlowFitHooks`). Each is
+unlike one process and clips partial gradients (`step.RowWeighting`), and needs the
+equivalence wrappers around `fit` / `evaluate` / `predict` (`keras_mwms.backends.fit_call`, `fit_hooks.TensorFlowFitHooks`). Each is
 a `Patch` row of `patch_table(backend)`: the strategy installs the table after the backend
 joined, and `MultiWorkerMirroredStrategy.close()` restores every original.
 
 Example (the rows, without installing anything):
 
 >>> from types import SimpleNamespace as Backend
->>> from keras_mwms.backends.tensorflow.gradients import RowWeighting
+>>> from keras_mwms.backends.tensorflow.step import RowWeighting
 >>> table = patch_table(Backend(strategy=object(), row_weighting=RowWeighting(None)))
 >>> [row.name for row in table][:3]
 ['tf-symbolic-build-per-leaf', 'tf-reduce-per-replica-scalar-axis', 'tf-fit-wrapper']
@@ -31,7 +31,7 @@ from keras_mwms import active
 from keras_mwms.backends import fit_call, policy
 from keras_mwms.backends.keras_api import attributes, internals, targets
 from keras_mwms.backends.patches import ANY_KERAS, Patch, PatchTable
-from keras_mwms.backends.tensorflow import batch_norm, data, trainer
+from keras_mwms.backends.tensorflow import batch_norm, data, fit_hooks
 from keras_mwms.diagnostics.ledger import counted_in_graph
 
 # -- Keras 3.15.1 crash repairs (keras-team/keras#20585) ----------------------------------
@@ -151,7 +151,7 @@ def _shared_per_worker_statistics(original: Callable) -> Callable:
 
 # -- the table ----------------------------------------------------------------------------
 
-_HOOKS = trainer.TensorFlowFitHooks()
+_HOOKS = fit_hooks.TensorFlowFitHooks()
 
 
 def _trainer_rows(backend: Any) -> list[Patch]:

@@ -7,10 +7,10 @@ Keras 3.15.1 has no multi-process support on torch, so this adapter supplies all
 | `engine` | join `torch.distributed` at the chief's address, the collective port, ordered teardown |
 | `faults` | the lost-worker hook: gloo/nccl errors, the check-in on the TCPStore (the flow is `keras_mwms.backends.faults`) |
 | `scope` | variables created in `strategy.scope()` take the chief's values at its exit |
-| `backend` | `TorchBackend`: the engine, the scope and the tf.distribute-style surface |
+| `surface` | `TorchBackend`: the engine, the scope and the tf.distribute-style surface |
 | `patches` | the private-Keras patches (`PATCHES`, `patch_table`), installed while the strategy is open |
 | `data` | global batches of any input → this worker's shard |
-| `training` | the distributed train and test steps |
+| `step` | the distributed train and test steps |
 | `gradients` | global-batch gradients, synchronized BatchNormalization |
 | `metrics` | global metric results and logs |
 | `overlap` | gradient all-reduces started during `backward()` |
@@ -23,6 +23,6 @@ Example:
 'torch'
 """
 
-from keras_mwms.backends.torch.backend import TorchBackend
+from keras_mwms.backends.torch.surface import TorchBackend
 
 __all__ = ["TorchBackend"]

@@ -12,7 +12,7 @@ every worker and workers stay bit-identical.
 
 Every micro-step still all-reduces its row count and unsynchronized BatchNormalization moving
 statistics (a few floats: `R_k` is needed before the share can be added) and, in the same small
-all-reduce, its metric states (updated before backward, `training.train_step_metrics_first`),
+all-reduce, its metric states (updated before backward, `step.train_step_metrics_first`),
 so batch logs stay global at one small collective per micro-step. Between optimizer steps the
 accumulators are per worker (each holds its share), as DDP's `no_sync` leaves `.grad`.
 

@@ -12,7 +12,7 @@
 * **leave** — the process group is destroyed in order, at `strategy.close()` or at exit.
 
 One replica per worker process (one CPU or one GPU); several GPUs per worker are out of scope:
-start one worker per GPU instead. Which GPU is `keras_mwms.gpu_assignment`'s answer (the
+start one worker per GPU instead. Which GPU is `keras_mwms.devices.assignment`'s answer (the
 launcher's, or the local rank's, or the only one); `join` makes it the current CUDA device before
 Keras creates a tensor, so Keras' "cuda" means this worker's GPU.
 """
@@ -32,15 +32,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from keras_mwms import devices, network
+from keras_mwms import devices
 from keras_mwms.backends import policy
 from keras_mwms.backends.base import Backend
 from keras_mwms.backends.faults import bounded
 from keras_mwms.backends.torch import faults
-from keras_mwms.cluster import ClusterResolver, split_address
 from keras_mwms.communication import CommunicationImplementation, CommunicationOptions
 from keras_mwms.diagnostics import LEDGER
 from keras_mwms.errors import NcclUnavailableError, WorkerLostError
+from keras_mwms.startup import network
+from keras_mwms.startup.cluster import ClusterResolver, split_address
 
 DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = 300.0
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024

@@ -87,7 +87,7 @@ def unsynchronized_batch_norm_statistics(model, backend: TorchEngine) -> list:
 
     Those are averaged across workers, weighted by rows, so they never drift; layers with
     global moments need nothing (every worker computed the same moments). Collected once per
-    `fit` (`training.prepare_fit` forgets them: trainable flags may change).
+    `fit` (`step.prepare_fit` forgets them: trainable flags may change).
     """
     cached = STATE.get(model, "batch_norm_statistics")
     if cached is not None:
@@ -217,7 +217,7 @@ def _average_overlapped(backend: TorchEngine, grads: list, summed: list, statist
 
 
 def _metric_riders(model) -> tuple[list, Any]:
-    """Metric states updated before backward (`training.train_step_metrics_first`) that may ride
+    """Metric states updated before backward (`step.train_step_metrics_first`) that may ride
     in an accumulating micro-step's row all-reduce, and what keeps their sums for the logs."""
     state = STATE.of(model)
     if not getattr(state, "metrics_ride_accumulation", False):

@@ -13,7 +13,7 @@ What a model created in the scope gets:
   (`keras_mwms.backends.torch.data`); `predict` runs on the calling worker alone over all the
   rows it is given, entering no collective (a chief-only `predict` cannot hang); progress
   output on the chief only.
-* the chief's variables and the distributed train/test steps (`keras_mwms.backends.torch.training`);
+* the chief's variables and the distributed train/test steps (`keras_mwms.backends.torch.step`);
 * global-batch gradients in `optimizer.apply` and losses weighted by rows in `scale_loss`
   (`keras_mwms.backends.torch.gradients`); the optimizer keeps its fast torch class; Keras'
   torch Adam/AdamW update reuses two scratch buffers (`keras_mwms.backends.torch.fused_adam`);
@@ -38,7 +38,7 @@ from keras_mwms import active
 from keras_mwms.backends import fit_call, policy
 from keras_mwms.backends.keras_api import attributes, targets
 from keras_mwms.backends.patches import KerasHas, Patch, PatchTable
-from keras_mwms.backends.torch import data, fused_adam, gradients, metrics, training
+from keras_mwms.backends.torch import data, fused_adam, gradients, metrics, step
 from keras_mwms.backends.torch.state import STATE, backend_of, model_of
 
 _NO_HOOKS = "Keras' torch trainer has no distribution hooks (keras-team/keras#18870)"
@@ -236,10 +236,10 @@ PATCHES = PatchTable("torch", [
           "predict on every worker prints Keras' progress bar once per worker",
           parameters=fit_call.PARAMETERS["predict"]),
     Patch("torch-train-function", targets.TRAINER_MAKE_TRAIN_FUNCTION,
-          _distributed_step(training.prepare_fit, training.wrap_train_function),
+          _distributed_step(step.prepare_fit, step.wrap_train_function),
           f"{_NO_HOOKS}: the chief's variables at every fit, the distributed train step"),
     Patch("torch-test-function", targets.TRAINER_MAKE_TEST_FUNCTION,
-          _distributed_step(training.prepare_evaluate, training.wrap_test_function),
+          _distributed_step(step.prepare_evaluate, step.wrap_test_function),
           f"{_NO_HOOKS}: the chief's variables before a first evaluate, the distributed test step"),
     Patch("torch-global-metric-results", targets.TRAINER_METRICS_RESULT_OR_LOGS,
           _global_metric_results, f"{_NO_HOOKS}: metric results of every worker's rows",

@@ -50,7 +50,7 @@ import numpy as np
 
 from keras_mwms.backends import policy
 from keras_mwms.backends.compression import WIRE, wire_dtype
-from keras_mwms.backends.jax.flat_payload import (
+from keras_mwms.backends.jax.step_payload import (
     FlatLayout,
     MicroStepCounter,
     PayloadReader,
@@ -277,7 +277,7 @@ def make_flat_train_step(model, collectives: FlatCollectives, guard: Callable[[C
 
 
 def flat_layout(model, compression: str | None = None) -> FlatLayout:
-    """Which of `model`'s step values travel in which flat vector (`flat_payload.FlatLayout`)."""
+    """Which of `model`'s step values travel in which flat vector (`step_payload.FlatLayout`)."""
     import jax
 
     # Metric states summed across workers ride in the gradient all-reduce (batch logs are then

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from keras_mwms import io
+from keras_mwms.resume import io
 
 POINTER_FILE = "latest.json"
 STATE_FILE = "state.npz"

@@ -1,6 +1,6 @@
 """What one flat-path step sends: its values packed into one vector per dtype, and read back.
 
-The flat train step (`keras_mwms.backends.jax.flat`) all-reduces ONE vector per dtype per
+The flat train step (`keras_mwms.backends.jax.step`) all-reduces ONE vector per dtype per
 step. This module holds the pure pieces of that traffic, each usable (and tested) alone, with
 no Keras model in sight:
 

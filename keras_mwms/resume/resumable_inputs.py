@@ -5,7 +5,7 @@ When a `fit` is to be resumable (a callback with `RESUMABLE_ORDER` set among its
 own `BackupAndRestore`, which runs as keras_mwms') and its input shuffles, each backend's
 `fit` patch calls `prepare_fit` first. The input then becomes an
 ordered stream: a `keras.utils.PyDataset` without an end whose item `i` is the global batch
-at *stream position* `start + i` of a `keras_mwms.data_order.DataOrder` — epoch `p //
+at *stream position* `start + i` of a `keras_mwms.resume.data_order.DataOrder` — epoch `p //
 steps_per_epoch`, step `p % steps_per_epoch`, in the order `(job seed, epoch)` gives — and
 `fit` gets `shuffle=False` and `steps_per_epoch`. Keras keeps one iterator across the epochs
 of such an input, so positions run on from epoch to epoch; the backends shard each global
@@ -28,7 +28,7 @@ loop's thread), and a `DataLoader`'s worker processes likewise.
 Example (one process, the order's first global step):
 
 >>> import numpy as np
->>> from keras_mwms.data_order import DataOrder
+>>> from keras_mwms.resume.data_order import DataOrder
 >>> stream = make_stream(DataOrder(seed=3, units=5, units_per_step=2),
 ...                        lambda ids: (np.arange(5)[ids],), global_batch_rows=2)
 >>> sorted(np.concatenate([stream[i][0] for i in range(3)]).tolist())
@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from keras_mwms.backends.keras_api import internals
-from keras_mwms.data_order import DataOrder, draw_seed
+from keras_mwms.resume.data_order import DataOrder, draw_seed
 
 # A callback class attribute: when true on any of fit's callbacks, shuffled inputs take a
 # resumable order.

@@ -37,7 +37,7 @@ def advice_for(resolver: Any, environ: Mapping[str, str] | None = None) -> Advic
 
     Example:
 
-    >>> from keras_mwms.cluster import SimpleClusterResolver
+    >>> from keras_mwms.startup.cluster import SimpleClusterResolver
     >>> resolver = SimpleClusterResolver({"worker": ["h0:1", "h1:1"]}, "worker", 0)
     >>> advice_for(resolver, {"KERAS_MWMS_ATTEMPT": "0", "KERAS_MWMS_LAUNCH_PORT_BASE": "7000"}).ports
     'pass another --port-base to keras_mwms.launch (its workers listen on 7000 .. 7001), or leave it out to use free ports.'

@@ -14,9 +14,9 @@ from keras_mwms.backends.torch import data, patches
 from keras_mwms.backends.torch.engine import TorchEngine
 from keras_mwms.backends.torch.scope import ScopeVariables
 from keras_mwms.backends.torch.state import backend_of
-from keras_mwms.cluster import ClusterResolver
 from keras_mwms.communication import CommunicationOptions
 from keras_mwms.data import InputContext
+from keras_mwms.startup.cluster import ClusterResolver
 
 
 class TorchBackend(TorchEngine):
@@ -35,7 +35,7 @@ class TorchBackend(TorchEngine):
 
     One worker, not joined: every collective is the identity.
 
-    >>> from keras_mwms.cluster import SimpleClusterResolver
+    >>> from keras_mwms.startup.cluster import SimpleClusterResolver
     >>> backend = TorchBackend(SimpleClusterResolver({"worker": ["localhost:2222"]}, "worker", 0),
     ...                        CommunicationOptions())
     >>> backend.reduce("SUM", backend.run(lambda t: t * 2, (torch.tensor([1.0, 2.0]),)), axis=None)

@@ -14,7 +14,7 @@ TensorFlow does differently, installed as rows of `keras_mwms.backends.tensorflo
 * `predict` runs on each worker alone, so a chief-only `predict` cannot hang the peers, and so
   does `predict_on_batch` (Keras concatenated every replica's copy of the whole batch: N × the
   rows on N workers);
-* fit/evaluate steps are row-weighted (`gradients.RowWeighting.keras_loop`), and TF's
+* fit/evaluate steps are row-weighted (`step.RowWeighting.keras_loop`), and TF's
   lost-peer errors become `keras_mwms.WorkerLostError` naming the lost workers.
 
 Example (what the patch table does with Keras' `fit`):
@@ -36,10 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from keras_mwms import resumable_inputs
 from keras_mwms.backends import fit_call
 from keras_mwms.backends.patches import ObjectState
 from keras_mwms.backends.tensorflow import data
+from keras_mwms.resume import resumable_inputs
 
 _local_predict_functions = ObjectState()   # model -> its predict function without the strategy
 

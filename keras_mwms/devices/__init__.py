@@ -1,4 +1,9 @@
-"""Local accelerators of the active Keras backend, read without starting a cluster."""
+"""Devices: the accelerators and cores a worker computes on, decided before any engine starts.
+
+This module: the local accelerators of the active Keras backend, read without starting a
+cluster. `assignment`: which GPUs each worker trains on (pure rules, no ML framework).
+`threads`: the host's cores split among the cluster's workers on this host.
+"""
 
 from __future__ import annotations
 
@@ -245,7 +250,7 @@ def local_gpu_count_of(backend: str) -> int:
 
 
 def gpu_assignment(backend: str, workers: int):
-    """This worker's `keras_mwms.gpu_assignment.GpuAssignment`, from its environment; one per process.
+    """This worker's `keras_mwms.devices.assignment.GpuAssignment`, from its environment; one per process.
 
     Every backend adapter and the rendezvous ask here, so they agree.
 
@@ -254,7 +259,7 @@ def gpu_assignment(backend: str, workers: int):
     >>> gpu_assignment("numpy", 2).gpus
     ()
     """
-    from keras_mwms import gpu_assignment as rules
+    from keras_mwms.devices import assignment as rules
 
     keys = (*rules.LOCAL_RANK_VARIABLES, rules.GPUS_PER_WORKER_ENV, "CUDA_VISIBLE_DEVICES")
     key = (backend, workers, tuple(os.environ.get(name) for name in keys))

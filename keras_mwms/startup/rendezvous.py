@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from keras_mwms import settings
-from keras_mwms.cluster import split_address
 from keras_mwms.errors import RendezvousError
+from keras_mwms.startup.cluster import split_address
 
 PROTOCOL = "keras_mwms-rendezvous/1"
 DEFAULT_TIMEOUT_SECONDS = settings.RENDEZVOUS_TIMEOUT.default
@@ -149,7 +149,7 @@ class Rendezvous:
         exclusive_gpus: why no two workers may share a GPU (the error's explanation and fix),
             or None to allow sharing.
         members_advice: who must start, for the error when a worker never comes (default:
-            the workers listed in TF_CONFIG; `keras_mwms.advice` words it per orchestrator).
+            the workers listed in TF_CONFIG; `keras_mwms.startup.advice` words it per orchestrator).
     """
 
     def __init__(self, addresses: Sequence[str], rank: int, fingerprint: Mapping[str, Any],

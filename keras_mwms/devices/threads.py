@@ -18,7 +18,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 from keras_mwms import settings
-from keras_mwms.cluster import split_address
+from keras_mwms.startup.cluster import split_address
 
 USER_THREADS_ENV = "OMP_NUM_THREADS"
 CHOSEN_ENV = settings.THREADS_CHOSEN.name

@@ -1,4 +1,4 @@
-"""The flat path's traffic, piece by piece (`keras_mwms/backends/jax/flat_payload.py`).
+"""The flat path's traffic, piece by piece (`keras_mwms/backends/jax/step_payload.py`).
 
 Pure JAX in this process, no Keras model and no gang: several workers are simulated by summing
 (or stacking) the vectors each would send, which is what the all-reduce (all-gather) returns.
@@ -15,7 +15,7 @@ jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
 from keras_mwms.backends import policy  # noqa: E402
-from keras_mwms.backends.jax.flat_payload import (  # noqa: E402
+from keras_mwms.backends.jax.step_payload import (  # noqa: E402
     FlatLayout,
     MicroStepCounter,
     PayloadReader,
