@@ -4,7 +4,7 @@
 
 A worker with several local GPUs trains under `tf.distribute` with one replica per GPU. TF's
 MultiWorkerMirroredStrategy takes local replicas from GPUs only, so this runs the same code
-(`keras_mwms.backends.tensorflow.gradients.RowWeighting`'s patch rows, `accumulation`) under a
+(`keras_mwms.backends.tensorflow.step.RowWeighting`'s patch rows, `accumulation`) under a
 `tf.distribute.MirroredStrategy` over two logical CPU devices: the replicas of one worker.
 Per scenario (K = 2; K = 2 with bf16; bf16 alone) it trains the same model as plain Keras on
 one device, and prints one JSON line: max |Δw| vs one device, the reference's path length
@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 from keras_mwms.backends.compression import WIRE  # noqa: E402
 from keras_mwms.backends.patches import PatchTable  # noqa: E402
 from keras_mwms.backends.tensorflow import patches  # noqa: E402
-from keras_mwms.backends.tensorflow.gradients import RowWeighting  # noqa: E402
+from keras_mwms.backends.tensorflow.step import RowWeighting  # noqa: E402
 from keras_mwms.diagnostics import LEDGER  # noqa: E402
 
 WANTED = ("tf-row-weighted-steps", "tf-row-weighted-loss-scale", "tf-row-weighted-loss-unscale",

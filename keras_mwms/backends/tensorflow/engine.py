@@ -41,7 +41,6 @@ from keras_mwms.backends.patches import PatchTable
 from keras_mwms.backends.tensorflow import patches
 from keras_mwms.backends.tensorflow.faults import TensorFlowFaults
 from keras_mwms.backends.tensorflow.step import RowWeighting
-from keras_mwms.startup.cluster import ClusterResolver
 from keras_mwms.communication import CommunicationImplementation, CommunicationOptions
 from keras_mwms.diagnostics import LEDGER
 from keras_mwms.errors import StrategyCreatedTooLateError
