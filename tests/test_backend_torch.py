@@ -252,11 +252,13 @@ def test_gradients_reduce_during_backward_in_eager_gangs_only(sgd_arrays, two_wo
     assert jit.result(0)["overlap_buckets"] == 0                   # torch.compile'd step: after it
 
 
-# TorchDynamo's graph breaks in the "jit" scenario's fit (torch 2.13, Keras 3.15.1): Keras'
-# `loss.backward()` (3 events: traced again on each recompilation) and keras_mwms' eager
-# gradient all-reduce in `optimizer.apply` (2). Fewer is progress: lower the number.
-JIT_GRAPH_BREAKS = 5
-JIT_GRAPH_BREAK_REASONS = ["Skip calling `torch.compiler.disable()`d function",
+# TorchDynamo's graph breaks in the "jit" scenario's fit (torch 2.13, Keras 3.15.1, SGD), 8 events
+# (a site counts again each time its frame is traced): Keras' `loss.backward()`, keras_mwms'
+# eager gradient all-reduce in `optimizer.apply`, and Keras' torch SGD update
+# (`_foreach_add_(..., alpha=-learning_rate)` reads a tensor as a number). With Adam (the
+# benchmark's MLP) the first two only, 5 events. Fewer is progress: lower the numbers.
+JIT_GRAPH_BREAKS = 8
+JIT_GRAPH_BREAK_REASONS = ["Data dependent operator", "Skip calling `torch.compiler.disable()`d function",
                            "Unsupported Tensor.backward() call"]
 
 
