@@ -252,6 +252,28 @@ def test_gradients_reduce_during_backward_in_eager_gangs_only(sgd_arrays, two_wo
     assert jit.result(0)["overlap_buckets"] == 0                   # torch.compile'd step: after it
 
 
+# TorchDynamo's graph breaks in the "jit" scenario's fit (torch 2.13, Keras 3.15.1, SGD), 8 events
+# (a site counts again each time its frame is traced): Keras' `loss.backward()`, keras_mwms'
+# eager gradient all-reduce in `optimizer.apply`, and Keras' torch SGD update
+# (`_foreach_add_(..., alpha=-learning_rate)` reads a tensor as a number). With Adam (the
+# benchmark's MLP) the first two only, 5 events. Fewer is progress: lower the numbers.
+JIT_GRAPH_BREAKS = 8
+JIT_GRAPH_BREAK_REASONS = ["Data dependent operator", "Skip calling `torch.compiler.disable()`d function",
+                           "Unsupported Tensor.backward() call"]
+
+
+@pytest.mark.slow
+def test_compiled_step_graph_breaks_cannot_return(sgd_arrays, two_workers_dir, reference_dir):
+    """`keras_mwms.backends.torch.graph_breaks`: no new graph break in the compiled step."""
+    jit = Scenario(two_workers_dir, reference_dir, "jit", 2)
+    for index in range(2):
+        result = jit.result(index)
+        print(f"worker {index}: {result['graph_breaks']} graph breaks: {result['graph_break_reasons']}")
+        assert result["graph_break_reasons"] == JIT_GRAPH_BREAK_REASONS
+        assert result["graph_breaks"] <= JIT_GRAPH_BREAKS
+    assert sgd_arrays.result(0)["graph_breaks"] == 0   # eager: nothing is compiled
+
+
 @pytest.mark.slow
 def test_metric_states_ride_in_the_gradient_all_reduce(sgd_arrays, dataloader_batchnorm,
                                                        two_workers_dir, reference_dir):

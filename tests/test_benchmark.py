@@ -141,6 +141,8 @@ def test_tiny_run_writes_sane_json(tiny_run):
     assert all(row["steps_per_second"] > 0 for row in result["fits"])
     assert {row["workers"] for row in result["ratios"]} == {1, 2}
     assert all(row["ratio"] > 0 for row in result["ratios"])
+    assert all(row["sync_overhead_ms"] is not None and row["graph_breaks"] is None   # eager only in --quick
+               for row in result["ratios"] if row["workers"] == 2 and row["ours"] == "keras_mwms")
     assert [row["variant"] for row in result["overhead"]] == ["keras_mwms", "torch DDP loop"]
     assert all(row["allreduce_ms"] > 0 for row in result["overhead"])
     assert all(math.isfinite(number) for number in _numbers(result))
@@ -185,6 +187,13 @@ def test_torch_jit_variant_gets_its_own_ratio_rows_and_the_nightly_gang_is_plann
                       (torch_variants.OURS_JIT, torch_variants.KERAS_NIGHTLY, 2): 2.0,
                       ("keras_mwms", torch_variants.PLAIN_KERAS, 1): 1.0}   # item 5: one process vs plain Keras
     assert "[ours: keras_mwms jit_compile]" in report.ratios_text(analysis.ratio_rows(fits))
+    # Issue 36 item 4: graph breaks of the compiled fit and the sync overhead ride in every ratio row.
+    fits[1]["graph_breaks"] = 5
+    overhead = [{"backend": "torch", "model": "mlp", "workers": 2, "variant": torch_variants.OURS_JIT,
+                 "global_batch": 256, "sync_overhead_ms": 7.0, "overhead_vs_allreduce": 3.5}]
+    row = next(row for row in analysis.ratio_rows(fits, overhead) if row["ours"] == torch_variants.OURS_JIT)
+    assert (row["graph_breaks"], row["sync_overhead_ms"], row["overhead_vs_allreduce"]) == (5, 7.0, 3.5)
+    assert "graph breaks" in report.ratios_text([row]) and "3.50x" in report.ratios_text([row])
     full, quick = config.full_config(backends=("torch",)), config.quick_config(backends=("torch",))
     assert torch_variants.nightly_gang_wanted(full, "torch") == (torch_variants.nightly_overlay() is not None)
     assert not torch_variants.nightly_gang_wanted(quick, "torch")   # bench-quick keeps its budget

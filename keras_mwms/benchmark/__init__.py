@@ -9,7 +9,8 @@ Two measurements, each in real worker gangs started by the launcher:
   process and N workers, for keras_mwms and, in the same run, each backend's native peer
   (TF: Keras 3 + tf.distribute with only the crash fixes, and tf-keras 2.21 + tf.distribute;
   JAX: plain `keras.distribution.DataParallel`; torch: a hand-written DDP loop), with ratios,
-  per-step sync overhead against the raw gradient all-reduce, and start-up to the first step.
+  per-step sync overhead against the raw gradient all-reduce, start-up to the first step and,
+  for torch.compile'd fits, TorchDynamo's graph breaks.
 
 Output: tables on stdout, `benchmark.json` and `benchmark.png` in `--out`.
 

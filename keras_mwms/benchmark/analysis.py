@@ -20,6 +20,8 @@ Definitions (also printed under the tables):
   share of the global batch (global batch ÷ N, same threads): what a step costs beyond the
   worker's own compute. Compared with the raw all-reduce time of the gradient bytes on the same
   engine (the "gradients:<model>" all-reduce row).
+* graph breaks (torch.compile'd variants): TorchDynamo's graph breaks during the fit, the
+  most of the repeats (`keras_mwms.backends.torch.graph_breaks`); 0: the step compiles whole.
 * start-up: from the driver launching the worker process to the end of its first training step
   (imports, cluster join, build, compile, trace, one step); only for the first variant of a
   process — variants sharing a process report their own set-up-to-first-step time instead.
@@ -73,8 +75,10 @@ def fit_rows(gangs: Sequence[dict]) -> list[dict]:
                 "variant": fit["variant"], "global_batch": fit["global_batch"], "threads": chief["threads"],
                 "steps_per_second": 0.0,
                 "examples_per_second": 0.0, "all_steps_per_second": [], "first_step_seconds": None,
-                "startup_seconds": None,
+                "startup_seconds": None, "graph_breaks": None,
             })
+            if fit.get("graph_breaks") is not None:   # torch.compile'd variants
+                row["graph_breaks"] = max(row["graph_breaks"] or 0, fit["graph_breaks"])
             row["all_steps_per_second"].append(fit["steps_per_second"])
             if fit["steps_per_second"] > row["steps_per_second"]:
                 row["steps_per_second"] = fit["steps_per_second"]
@@ -104,8 +108,11 @@ def _index(rows: Sequence[dict]) -> dict[tuple, dict]:
             for row in rows}
 
 
-def ratio_rows(fits: Sequence[dict]) -> list[dict]:
+def ratio_rows(fits: Sequence[dict], overhead: Sequence[dict] = ()) -> list[dict]:
     """keras_mwms ÷ each native peer, per backend, model and worker count.
+
+    Each row also carries keras_mwms' graph breaks and, from `overhead` (`overhead_rows`), its
+    sync overhead per step and that overhead ÷ one raw all-reduce of the gradient bytes.
 
     Example:
 
@@ -124,8 +131,11 @@ def ratio_rows(fits: Sequence[dict]) -> list[dict]:
     (0.6, 1.25)
     """
     index = _index(fits)
+    syncs = {(row["backend"], row["model"], row["workers"], row["variant"], row["global_batch"]): row
+             for row in overhead}
     rows = []
     for (backend, model, workers, variant, batch), ours in sorted(index.items()):
+        sync = syncs.get((backend, model, workers, variant, batch), {})
         if variant not in (OURS, OURS_JIT):   # keras_mwms eager, and with jit_compile (torch)
             continue
         for peer in PEERS.get(backend, ()):
@@ -148,6 +158,9 @@ def ratio_rows(fits: Sequence[dict]) -> list[dict]:
                 "peer_startup_seconds": theirs.get("startup_seconds"),
                 "keras_mwms_first_step_seconds": ours.get("first_step_seconds"),
                 "peer_first_step_seconds": theirs.get("first_step_seconds"),
+                "graph_breaks": ours.get("graph_breaks"),
+                "sync_overhead_ms": sync.get("sync_overhead_ms"),
+                "overhead_vs_allreduce": sync.get("overhead_vs_allreduce"),
             })
     return rows
 

@@ -73,17 +73,18 @@ def allreduce_text(backend: str, rows: Sequence[dict], workers: int, link_gbps: 
 
 def fits_text(rows: Sequence[dict], global_batch: int) -> str:
     headers = ["backend", "model", "workers", "threads", "batch", "variant", "steps/s", "examples/s",
-               "first step s", "start-up s"]
+               "first step s", "start-up s", "graph breaks"]
     body = [[row["backend"], row["model"], row["workers"], row["threads"], row["global_batch"], row["variant"],
              row["steps_per_second"], row["examples_per_second"], row["first_step_seconds"],
-             row["startup_seconds"]] for row in rows]
+             row["startup_seconds"], row.get("graph_breaks")] for row in rows]
     return (f"fit (batch = global batch; {global_batch} unless it is one worker's share):\n"
             + format_table(headers, body))
 
 
 def ratios_text(rows: Sequence[dict]) -> str:
     headers = ["backend", "model", "workers", "batch", "native peer", "keras_mwms steps/s", "peer steps/s",
-               "ratio", "1-process ratio", "distribution ratio", "start-up ours s", "start-up peer s"]
+               "ratio", "1-process ratio", "distribution ratio", "start-up ours s", "start-up peer s",
+               "graph breaks", "sync overhead ms", "overhead/all-reduce"]
 
     def times(value):
         return None if value is None else f"{value:.2f}x"
@@ -96,9 +97,11 @@ def ratios_text(rows: Sequence[dict]) -> str:
              row["keras_mwms_steps_per_second"],
              row["peer_steps_per_second"], times(row["ratio"]), times(row.get("one_process_ratio")),
              times(row.get("distribution_ratio")), row["keras_mwms_startup_seconds"],
-             row["peer_startup_seconds"]] for row in rows]
+             row["peer_startup_seconds"], row.get("graph_breaks"), row.get("sync_overhead_ms"),
+             times(row.get("overhead_vs_allreduce"))] for row in rows]
     return ("ratio keras_mwms / native (>= 1.00x: at least as fast; distribution ratio = ratio / "
-            "1-process ratio on the same global batch):\n" + format_table(headers, body))
+            "1-process ratio on the same global batch; graph breaks: TorchDynamo's, in keras_mwms' "
+            "compiled fit; sync overhead: keras_mwms' per step, as in the table above):\n" + format_table(headers, body))
 
 
 def one_process_text(rows: Sequence[dict]) -> str:

@@ -202,6 +202,7 @@ def run(config: BenchmarkConfig, out_dir: Path) -> dict:
     machine["load_average_at_end"] = list(os.getloadavg())
     fits = analysis.fit_rows(gangs)
     allreduce = analysis.allreduce_tables(gangs, machine["loopback_tcp_bytes_per_second"])
+    overhead = analysis.overhead_rows(fits, allreduce, config.workers)
     result = {
         "machine": machine,
         "config": json.loads(config.to_json()),
@@ -209,9 +210,9 @@ def run(config: BenchmarkConfig, out_dir: Path) -> dict:
         "versions": _versions(gangs),
         "allreduce": allreduce,
         "fits": fits,
-        "ratios": analysis.ratio_rows(fits),
+        "ratios": analysis.ratio_rows(fits, overhead),
         "one_process": analysis.one_process_rows(fits),
-        "overhead": analysis.overhead_rows(fits, allreduce, config.workers),
+        "overhead": overhead,
         "ledger": analysis.ledger_rows(fits),
         "scaling": scaling.analyse(gangs, fits, config, machine, threads),
         "gangs": [{key: value for key, value in gang.items() if key != "results"} for gang in gangs],

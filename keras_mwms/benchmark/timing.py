@@ -45,6 +45,7 @@ class FitTiming:
     timed_steps: int
     global_batch: int
     startup_seconds: float | None = None
+    graph_breaks: int | None = None   # torch.compile'd variants: TorchDynamo's graph breaks in fit
 
     @classmethod
     def from_times(cls, variant: str, model: str, repeat: int, step_ends: list[float], finished: float,

@@ -16,7 +16,8 @@ Dumps of worker i (0 for the reference): `w<i>.init.npz` (weights before fit), `
 (after fit), `w<i>.predict.npy` (predict on the evaluation rows) and `w<i>.json`: history,
 evaluate, batches run per epoch, replicas, is_chief, seed_probe (a draw of numpy's global
 generator right after seeding, to show whether workers were seeded differently), weight sums
-before fit and at train begin, optimizer class and iterations, predict shape, fit seconds,
+before fit and at train begin, optimizer class and iterations, predict shape, fit seconds, graph breaks of
+`torch.compile` during fit (torch),
 what only one backend reports (`backend_details`) and, with `--primitives`, the custom-loop API.
 `load_dump(out, index)` reads them back (numpy only, no backend).
 """
@@ -241,6 +242,19 @@ def backend_details(strategy, model) -> dict:
     return {}
 
 
+def graph_breaks():
+    """torch: a context recording TorchDynamo's graph breaks (`jit_compile=True`); else nothing."""
+    import contextlib
+
+    import keras
+
+    if keras.backend.backend() != "torch":
+        return contextlib.nullcontext()
+    from keras_mwms.backends.torch.graph_breaks import GraphBreaks
+
+    return GraphBreaks()
+
+
 def record_primitives_jax(strategy, index: int) -> dict:
     """The custom-loop API on JAX: numpy values per replica, tf.data global batches."""
     import numpy as np
@@ -348,9 +362,11 @@ def run_scenario(strategy, out: str, arguments) -> None:
 
     collectives_before = dict(LEDGER.kinds)
     started = time.time()
-    for _ in range(arguments.fits):
-        history = model.fit(**fit_kwargs, epochs=arguments.epochs, steps_per_epoch=arguments.steps_per_epoch,
-                            callbacks=callbacks, verbose=verbose)
+    breaks = graph_breaks()
+    with breaks:
+        for _ in range(arguments.fits):
+            history = model.fit(**fit_kwargs, epochs=arguments.epochs, steps_per_epoch=arguments.steps_per_epoch,
+                                callbacks=callbacks, verbose=verbose)
     fit_seconds = time.time() - started
     wire_bytes_per_step = WIRE.per_step(sum(recorder.batches))
     collectives = {kind: count - collectives_before.get(kind, 0) for kind, count in LEDGER.kinds.items()
@@ -381,6 +397,8 @@ def run_scenario(strategy, out: str, arguments) -> None:
         fit_seconds=fit_seconds,
         wire_bytes_per_step=wire_bytes_per_step,
         fit_collectives=collectives,
+        graph_breaks=getattr(breaks, "count", None),
+        graph_break_reasons=getattr(breaks, "reasons", None),
         **backend_details(strategy, model),
     )
     if arguments.primitives:
