@@ -38,6 +38,7 @@ import numpy as np
 
 from keras_mwms import resumable_inputs
 from keras_mwms.backends import fit_call
+from keras_mwms.backends.keras_api import attributes
 from keras_mwms.backends.patches import ObjectState
 from keras_mwms.backends.tensorflow import data
 
@@ -154,11 +155,12 @@ def _predict_on_this_worker(call: fit_call.FitCall) -> Any:
     function is kept for the next call.
     """
     model = call.model
-    saved_strategy, saved_function = model._distribute_strategy, model.predict_function
-    model._distribute_strategy = None
+    saved_strategy, saved_function = attributes.distribute_strategy(model), model.predict_function
+    attributes.set_distribute_strategy(model, None)
     model.predict_function = _local_predict_functions.get(model, "function")
     try:
         return call.keras()
     finally:
         _local_predict_functions.of(model).function = model.predict_function
-        model._distribute_strategy, model.predict_function = saved_strategy, saved_function
+        attributes.set_distribute_strategy(model, saved_strategy)
+        model.predict_function = saved_function
