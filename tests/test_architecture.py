@@ -380,9 +380,9 @@ KNOWN_KERAS_PRIVATE_NAMES = (
     "_inbound_nodes", "_outbound_nodes", "_build_shapes_dict", "_seed_generators",
     "_non_trainable_variables", "_dtype_policy", "_auto_track_sub_layers", "_overwrite_with_gradient",
     "_model_variables_moving_average", "_learning_rate", "_loss_scale_factor", "_epoch_iterator",
-    "_steps_seen", "_current_iterator", "_initialize_ddp", "_symbolic_build", "_maybe_symbolic_build",
+    "_steps_seen", "_current_iterator", "_initialize_ddp", "_maybe_symbolic_build",
     "_backend_apply_gradients", "_parallel_update_step", "_moments", "_get_iterator", "_predict_epoch_iterator",
-    "_make_function", "_flatten_layers", "_loss_ids", "_post_build",
+    "_make_function", "_loss_ids", "_post_build",
 )
 
 

@@ -318,9 +318,9 @@ class FlatTrainStep:
 
         self._model, self._optimizer, self.layout = model, model.optimizer, layout
         self._collectives, self._guard, self._all_gather = collectives, guard, all_gather
+        counter = optimizer_attributes.iterations_variable(self._optimizer)
         self._micro_steps = MicroStepCounter(next((i for i, variable in enumerate(self._optimizer.variables)
-                                                   if variable is optimizer_attributes.iterations_variable(self._optimizer)),
-                                                  None))
+                                                   if variable is counter), None))
         # Everything committed to this worker's device: otherwise the first steps (variables fresh
         # from numpy are "uncommitted", step outputs are "committed") compile the step three times.
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
