@@ -437,3 +437,89 @@ def test_at_most_a_few_modules_at_the_package_root():
     surface, the registry, the core's few shared modules and the programs."""
     root = sorted(path.name for path in PACKAGE.glob("*.py") if path.name != "__init__.py")
     assert len(root) <= MAX_ROOT_MODULES, f"{len(root)} modules at keras_mwms/: {root}; move one into its layer's subpackage"
+
+
+# Private names of Keras' trainers, optimizers, layers, variables and callbacks that
+# keras_mwms does not use today: naming one outside the firewall fails like naming an owned one.
+KNOWN_KERAS_PRIVATE_NAMES = (
+    "_tracker", "_trainable_variables_indices", "_var_key", "_jit_compile", "_steps_per_execution",
+    "_eval_epoch_iterator", "_compile_loss", "_compile_config", "_run_eagerly", "_layers",
+    "_inbound_nodes", "_outbound_nodes", "_build_shapes_dict", "_seed_generators",
+    "_non_trainable_variables", "_dtype_policy", "_auto_track_sub_layers", "_overwrite_with_gradient",
+    "_model_variables_moving_average", "_learning_rate", "_loss_scale_factor", "_epoch_iterator",
+    "_steps_seen", "_current_iterator", "_initialize_ddp", "_maybe_symbolic_build",
+    "_backend_apply_gradients", "_parallel_update_step", "_moments", "_get_iterator", "_predict_epoch_iterator",
+    "_make_function", "_loss_ids", "_post_build",
+)
+
+
+def _own_attributes(tree: ast.AST) -> set[str]:
+    """Names a module defines itself: functions, class-level names, `self.<name> = ...`."""
+    own: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                for part in ast.walk(target):
+                    if isinstance(part, ast.Name):
+                        own.add(part.id)
+                    elif isinstance(part, ast.Attribute) and isinstance(part.value, ast.Name) \
+                            and part.value.id in ("self", "cls"):
+                        own.add(part.attr)
+    return own
+
+
+def _package_modules_imported(tree: ast.AST) -> set[str]:
+    """Local names bound to keras_mwms modules (`from keras_mwms.backends.tensorflow import
+    patches`): `patches._maybe_symbolic_build` is keras_mwms' own function, not Keras'."""
+    bound = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("keras_mwms"):
+            bound.update(alias.asname or alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            bound.update(alias.asname for alias in node.names if alias.name.startswith("keras_mwms") and alias.asname)
+    return bound
+
+
+def private_keras_names_used(names: set[str], package: Path = PACKAGE) -> list[str]:
+    """`path:line .name` wherever a module outside the firewall names one of `names`: as an
+    attribute (`optimizer._iterations`) or a string (`getattr(model, "_iterations")`, a keyword
+    `kwargs["_use_cached_eval_dataset"]`). `self.<name>` of a name the module defines itself
+    (its own attribute, which happens to share a Keras name) is not counted."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if FIREWALL in path.parents or path.parent.name == "keras_api":
+            continue
+        tree = ast.parse(path.read_text())
+        own = _own_attributes(tree)
+        our_modules = _package_modules_imported(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in names:
+                on = node.value.id if isinstance(node.value, ast.Name) else None
+                if not (on in ("self", "cls") and node.attr in own) and on not in our_modules:
+                    found.append(f"{path.relative_to(package)}:{node.lineno} .{node.attr}")
+            elif isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{path.relative_to(package)}:{node.lineno} {node.value!r}")
+    return found
+
+
+def test_only_the_keras_firewall_names_private_keras_attributes():
+    """Every private attribute of a Keras object (model, optimizer, layer, variable, data
+    adapter, callback) that keras_mwms reads, calls or sets has a named accessor in
+    `keras_mwms/backends/keras_api/` (`attributes.PRIVATE_NAMES` lists them), and only the
+    firewall names them; so does a list of other Keras private names, lest one creep in."""
+    from keras_mwms.backends.keras_api import attributes
+
+    assert private_keras_names_used({*attributes.PRIVATE_NAMES, *KNOWN_KERAS_PRIVATE_NAMES}) == []
+
+
+def test_private_attribute_finder_finds_one(tmp_path):
+    (tmp_path / "sneaky.py").write_text(
+        "class Own:\n    def __init__(self):\n        self._iterations = 0\n    def step(self):\n"
+        "        return self._iterations\n"                    # its own attribute: fine
+        "from keras_mwms import ours\n"
+        "def peek(optimizer, kwargs):\n    optimizer._iterations += ours._iterations\n"
+        "    return getattr(optimizer, '_momentums'), kwargs.get('_use_cached_eval_dataset')\n")
+    found = private_keras_names_used({"_iterations", "_momentums", "_use_cached_eval_dataset"}, tmp_path)
+    assert found == ["sneaky.py:8 ._iterations", "sneaky.py:9 '_momentums'", "sneaky.py:9 '_use_cached_eval_dataset'"]

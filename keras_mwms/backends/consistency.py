@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from keras_mwms import settings
+from keras_mwms.backends.keras_api import optimizer_attributes
 from keras_mwms.errors import WorkersDifferError
 
 ENABLE_ENV = settings.CHECK_WORKERS_AGREE.name
@@ -172,7 +173,7 @@ def model_state(model: Any) -> list[tuple[str, np.ndarray]]:
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
         # Gradient accumulators hold each worker's own share of a window until it is reduced.
-        local = {id(variable) for variable in getattr(optimizer, "_accumulated_gradients", None) or []}
+        local = {id(variable) for variable in optimizer_attributes.accumulated_gradients(optimizer)}
         variables += [variable for variable in optimizer.variables if id(variable) not in local]
     return [(variable.path, np.asarray(ops.convert_to_numpy(variable.value))) for variable in variables]
 

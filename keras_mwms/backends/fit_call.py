@@ -50,7 +50,7 @@ from typing import Any
 
 from keras_mwms import active
 from keras_mwms.backends import model_scope, policy
-from keras_mwms.backends.keras_api import internals
+from keras_mwms.backends.keras_api import attributes, internals
 from keras_mwms.data import first_batch_digest
 from keras_mwms.resume import resumable_inputs
 
@@ -89,7 +89,7 @@ class FitCall:
     @property
     def in_fit(self) -> bool:
         """Whether this is `fit`'s own validation pass (Keras' `_use_cached_eval_dataset`)."""
-        return bool((self.arguments.get("kwargs") or {}).get("_use_cached_eval_dataset"))
+        return attributes.is_fit_validation(self.arguments.get("kwargs") or {})
 
     def keras(self) -> Any:
         """Keras' original method with the (possibly changed) arguments."""

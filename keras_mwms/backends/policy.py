@@ -332,8 +332,8 @@ def float16_gradients(model: Any, variables: list | None = None) -> list[bool]:
     for layer in attributes.flatten_layers(model, include_self=True):
         if getattr(layer, "compute_dtype", None) != "float16":
             continue
-        for variable in getattr(layer, "_trainable_variables", []):
-            if str(variable.dtype) == "float16" or getattr(variable, "_autocast", False):
+        for variable in attributes.layer_trainable_variables(layer):
+            if str(variable.dtype) == "float16" or attributes.variable_autocasts(variable):
                 in_float16.add(id(variable))
     return [id(variable) in in_float16
             for variable in (model.trainable_variables if variables is None else variables)]

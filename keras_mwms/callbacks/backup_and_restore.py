@@ -10,6 +10,7 @@ import time
 import keras
 
 from keras_mwms.backends import resume
+from keras_mwms.backends.keras_api import attributes
 from keras_mwms.callbacks import coordination
 from keras_mwms.errors import BackupAndRestoreError
 from keras_mwms.log import get_logger
@@ -151,7 +152,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         metadata, arrays = package
         self._assign_state(metadata, arrays)
         self._epoch = metadata["epoch"]
-        self.model._initial_epoch = metadata["epoch"]
+        attributes.set_initial_epoch(self.model, metadata["epoch"])
         step, pull, note = resumable_inputs.resume(self.model, metadata.get("data_order"),
                                                    metadata["epoch"], metadata["step"])
         resume.skip_steps_in_next_training_epoch(step, pull=pull)

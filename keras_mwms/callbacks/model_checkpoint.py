@@ -8,6 +8,7 @@ import tempfile
 
 import keras
 
+from keras_mwms.backends.keras_api import attributes
 from keras_mwms.callbacks import coordination
 from keras_mwms.log import get_logger
 from keras_mwms.resume import io
@@ -48,9 +49,9 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     """
 
     def _save_model(self, epoch, batch, logs):
-        filepath = self._get_file_path(epoch, batch, logs)
+        filepath = attributes.checkpoint_file_path(self, epoch, batch, logs)
         # Decided on every worker: it updates `self.best`, which must stay identical everywhere.
-        if not self._should_save_model(epoch, batch, logs, filepath):
+        if not attributes.checkpoint_should_save(self, epoch, batch, logs, filepath):
             return
         if os.path.isdir(filepath):
             raise OSError(

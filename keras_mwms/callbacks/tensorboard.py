@@ -9,6 +9,7 @@ import tempfile
 
 import keras
 
+from keras_mwms.backends.keras_api import attributes
 from keras_mwms.callbacks import coordination
 
 
@@ -69,7 +70,7 @@ class TensorBoard(keras.callbacks.TensorBoard):
         report = straggler.last_epoch_report()
         if self._scratch_dir is not None or report is None or report["epoch"] != epoch:
             return
-        with self._train_writer.as_default():
+        with attributes.tensorboard_train_writer(self).as_default():
             for worker, times in sorted(report["times"].items()):
                 for key in ("data", "compute", "collective"):
                     self.summary.scalar(f"keras_mwms/worker_{worker}/{key}_seconds", times[key], step=epoch)

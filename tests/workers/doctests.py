@@ -1,8 +1,9 @@
 """Runs the docstring examples of the given modules in this process; prints one JSON report.
 
-Usage: `KERAS_BACKEND=jax python tests/workers/doctests.py keras_mwms.startup.cluster ...`. Each
-module's result is `{"failed": n, "attempted": n, "output": "..."}`; an import error counts as
-one failure with its traceback as the output.
+Usage: `KERAS_BACKEND=jax python tests/workers/doctests.py [--keras-api-accessors] keras_mwms.startup.cluster ...`.
+Each module's result is `{"failed": n, "attempted": n, "output": "..."}`; an import error counts
+as one failure with its traceback as the output. With `--keras-api-accessors` the same process
+then checks the Keras firewall's accessors (`keras_api_accessors.py`, one more report line).
 """
 
 import contextlib
@@ -26,4 +27,9 @@ def run(name: str) -> dict:
 
 
 if __name__ == "__main__":
-    print("DOCTESTS " + json.dumps({name: run(name) for name in sys.argv[1:]}))
+    modules = [argument for argument in sys.argv[1:] if argument != "--keras-api-accessors"]
+    print("DOCTESTS " + json.dumps({name: run(name) for name in modules}), flush=True)
+    if "--keras-api-accessors" in sys.argv:
+        import keras_api_accessors
+
+        keras_api_accessors.main()

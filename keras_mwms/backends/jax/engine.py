@@ -47,6 +47,7 @@ from keras_mwms.backends import policy
 from keras_mwms.backends.base import Backend
 from keras_mwms.backends.jax import patches, step, surface
 from keras_mwms.backends.jax.faults import JaxFaults, coordination_client
+from keras_mwms.backends.keras_api import attributes
 from keras_mwms.backends.patches import ObjectState, PatchTable
 from keras_mwms.communication import CommunicationImplementation
 from keras_mwms.errors import StrategyCreatedTooLateError
@@ -279,7 +280,7 @@ class JaxBackend(Backend):
             created = list(self._created_in_scope.values()) if self._scope_depth == 0 else []
             if self._scope_depth == 0:
                 self._created_in_scope.clear()
-        if created and any(getattr(variable, "_value", None) is not None for variable in created):
+        if created and any(attributes.variable_value(variable) is not None for variable in created):
             self._scope_exits += 1
             agree_on_variables(self, created, f"keras_mwms/scope-variables/{self._scope_exits}")
 
@@ -385,7 +386,7 @@ def agree_on_variables(backend: JaxBackend, variables: list, key: str) -> None:
     fails with a clear error instead of leaving the chief waiting)."""
     import jax.numpy as jnp
 
-    variables = [variable for variable in variables if getattr(variable, "_value", None) is not None]
+    variables = [variable for variable in variables if attributes.variable_value(variable) is not None]
     signature = [(tuple(variable.shape), str(variable.dtype)) for variable in variables]
     timeout_ms = int(backend.collective_timeout_seconds * 1000)
 

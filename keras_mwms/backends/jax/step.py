@@ -61,7 +61,7 @@ from keras_mwms.backends.jax.step_payload import (
     unflatten,
     vector_dtypes,
 )
-from keras_mwms.backends.keras_api import attributes, internals
+from keras_mwms.backends.keras_api import attributes, internals, optimizer_attributes
 from keras_mwms.diagnostics import LEDGER
 
 FLAT = "flat"
@@ -170,7 +170,7 @@ def model_state_variables(model) -> list:
         groups.append(optimizer.variables)  # `iterations` and the learning rate exist before build
     for group in groups:
         for variable in group:
-            if id(variable) not in seen and getattr(variable, "_value", None) is not None:
+            if id(variable) not in seen and attributes.variable_value(variable) is not None:
                 seen.add(id(variable))
                 variables.append(variable)
     return variables
@@ -200,9 +200,9 @@ def open_accumulators(model) -> list:
     steps = policy.accumulation_steps(optimizer)
     if not steps or not getattr(optimizer, "built", False):
         return []
-    if int(np.asarray(optimizer._iterations.value)) % steps == 0:
+    if int(np.asarray(optimizer_attributes.iterations_variable(optimizer).value)) % steps == 0:
         return []
-    return [variable for variable in optimizer._accumulated_gradients if variable is not None]
+    return [variable for variable in optimizer_attributes.accumulated_gradients(optimizer) if variable is not None]
 
 
 def split_like(flat: np.ndarray, variables: list) -> list[np.ndarray]:
@@ -318,8 +318,9 @@ class FlatTrainStep:
 
         self._model, self._optimizer, self.layout = model, model.optimizer, layout
         self._collectives, self._guard, self._all_gather = collectives, guard, all_gather
+        counter = optimizer_attributes.iterations_variable(self._optimizer)
         self._micro_steps = MicroStepCounter(next((i for i, variable in enumerate(self._optimizer.variables)
-                                                   if variable is self._optimizer._iterations), None))
+                                                   if variable is counter), None))
         # Everything committed to this worker's device: otherwise the first steps (variables fresh
         # from numpy are "uncommitted", step outputs are "committed") compile the step three times.
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -367,8 +368,8 @@ class FlatTrainStep:
         (_, aux), grads = grad_fn(trainable, non_trainable, metrics, x, y, sample_weight, training=True,
                                   optimizer_variables=optimizer_variables)
         unscaled_loss, y_pred, non_trainable, new_metrics = aux
-        logs, new_metrics = self._model._update_metrics_variables(new_metrics, unscaled_loss, x, y, y_pred,
-                                                                  sample_weight)
+        logs, new_metrics = attributes.update_metrics_variables(self._model, new_metrics, unscaled_loss, x, y, y_pred,
+                                                                sample_weight)
         # A worker with no rows ran on a dummy row: its metric states must not count it.
         metrics = [jnp.where(rows > 0, new, old) for new, old in zip(new_metrics, metrics)]
         local_grads = [grad * rows.astype(grad.dtype) for grad in grads] if layout.accumulating else []
@@ -415,7 +416,7 @@ class FlatTrainStep:
         """Where each trainable variable's accumulator sits in the optimizer's variables."""
         optimizer = self._optimizer
         position = {id(variable): i for i, variable in enumerate(optimizer.variables)}
-        return [position[id(optimizer._accumulated_gradients[optimizer._get_variable_index(variable)])]
+        return [position[id(optimizer_attributes.accumulator_of(optimizer, variable))]
                 for variable in self._model.trainable_variables]
 
     def update_payload(self, local_grads, sums, optimizer_variables):

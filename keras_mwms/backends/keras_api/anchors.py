@@ -170,6 +170,10 @@ BATCH_NORMALIZATION = Anchor("BatchNormalization", "keras.layers.BatchNormalizat
                              lambda: _keras().layers.BatchNormalization)
 CALLBACK_LIST = Anchor("CallbackList", "keras.callbacks.CallbackList",
                        lambda: _keras().callbacks.CallbackList)
+MODEL_CHECKPOINT = Anchor("ModelCheckpoint", "keras.callbacks.ModelCheckpoint",
+                          lambda: _keras().callbacks.ModelCheckpoint)
+TENSORBOARD = Anchor("TensorBoard", "keras.callbacks.TensorBoard", lambda: _keras().callbacks.TensorBoard)
+LAYER = Anchor("Layer", "keras.layers.Layer", lambda: _keras().layers.Layer)
 DATA_ADAPTERS = Anchor("data_adapters", "package of keras.utils.PyDataset's module",
                        lambda: _package_of(_module_of(_keras().utils.PyDataset)))
 STATELESS_SCOPE_MODULE = Anchor("stateless_scope_module", "module of keras.StatelessScope",
@@ -183,8 +187,8 @@ TORCH_ADAM = Anchor("torch_adam", "module keras.src.backend.torch.optimizers.tor
                     backends=("torch",), public=False)
 
 ANCHORS = (TRAINER, BASE_TRAINER, TRAINER_MODULE, VARIABLE, LOSS_MODULE, BASE_OPTIMIZER, BACKEND_OPTIMIZER,
-           LOSS_SCALE_OPTIMIZER, MULTI_OPTIMIZER, BATCH_NORMALIZATION, CALLBACK_LIST, DATA_ADAPTERS,
-           STATELESS_SCOPE_MODULE, DISTRIBUTION_MODULE, JAX_UTILS, TORCH_ADAM)
+           LOSS_SCALE_OPTIMIZER, MULTI_OPTIMIZER, LAYER, BATCH_NORMALIZATION, CALLBACK_LIST, MODEL_CHECKPOINT,
+           TENSORBOARD, DATA_ADAPTERS, STATELESS_SCOPE_MODULE, DISTRIBUTION_MODULE, JAX_UTILS, TORCH_ADAM)
 """Every anchor, in the order ARCHITECTURE.md lists them."""
 
 

@@ -24,10 +24,13 @@ from keras_mwms.backends.keras_api.anchors import (
     DATA_ADAPTERS,
     DISTRIBUTION_MODULE,
     JAX_UTILS,
+    LAYER,
     LOSS_MODULE,
     LOSS_SCALE_OPTIMIZER,
+    MODEL_CHECKPOINT,
     MULTI_OPTIMIZER,
     STATELESS_SCOPE_MODULE,
+    TENSORBOARD,
     TORCH_ADAM,
     TRAINER,
     TRAINER_MODULE,
@@ -116,6 +119,27 @@ LOSS_SCALE_APPLY = Target(LOSS_SCALE_OPTIMIZER, "apply", backends=TORCH)
 MULTI_OPTIMIZER_APPLY = Target(MULTI_OPTIMIZER, "apply", backends=TORCH)
 TORCH_ADAM_CLASS = Target(TORCH_ADAM, "Adam")
 TORCH_ADAM_UPDATE = Target(TORCH_ADAM, "Adam._parallel_update_step")
+
+# -- private methods and properties called through keras_api.attributes ----------------------
+# (their instance attributes exist only on real objects: tests/test_keras_api.py reads those)
+OPTIMIZER_GET_VARIABLE_INDEX = Target(BASE_OPTIMIZER, "_get_variable_index")
+OPTIMIZER_CLIP_GRADIENTS = Target(BASE_OPTIMIZER, "_clip_gradients", backends=TF)
+OPTIMIZER_APPLY_WEIGHT_DECAY = Target(BASE_OPTIMIZER, "_apply_weight_decay", backends=TF)
+OPTIMIZER_BACKEND_UPDATE_STEP = Target(BASE_OPTIMIZER, "_backend_update_step", backends=TF)
+OPTIMIZER_RESET_ACCUMULATORS = Target(BASE_OPTIMIZER, "_backend_reset_gradient_accumulators", backends=TF)
+LOSS_SCALE_HANDLE_FINITE_GRADS = Target(LOSS_SCALE_OPTIMIZER, "_stateful_handle_finite_grads", backends=TF)
+LOSS_SCALE_HANDLE_NON_FINITE_GRADS = Target(LOSS_SCALE_OPTIMIZER, "_stateful_handle_non_finite_grads",
+                                            backends=TF)
+BASE_TRAINER_SYMBOLIC_BUILD = Target(BASE_TRAINER, "_symbolic_build", backends=TF)
+BASE_TRAINER_COMPUTE_LOSS = Target(BASE_TRAINER, "_compute_loss", backends=TORCH)
+TRAINER_UPDATE_METRICS_VARIABLES = Target(TRAINER, "_update_metrics_variables", backends=JAX)
+LAYER_FLATTEN_LAYERS = Target(LAYER, "_flatten_layers")
+PY_DATASET_STANDARDIZE_BATCH = Target(DATA_ADAPTERS, "py_dataset_adapter.PyDatasetAdapter._standardize_batch",
+                                      backends=TF)
+MODEL_CHECKPOINT_SAVE_MODEL = Target(MODEL_CHECKPOINT, "_save_model")
+MODEL_CHECKPOINT_GET_FILE_PATH = Target(MODEL_CHECKPOINT, "_get_file_path")
+MODEL_CHECKPOINT_SHOULD_SAVE_MODEL = Target(MODEL_CHECKPOINT, "_should_save_model")
+TENSORBOARD_TRAIN_WRITER = Target(TENSORBOARD, "_train_writer")
 
 OPTIONAL = (MULTI_OPTIMIZER_APPLY, TORCH_INITIALIZE_DDP)
 """Targets of rows behind a feature test (`KerasHas`): missing is not an error."""

@@ -2,7 +2,9 @@
 
 `require_usable(backend)` runs first in `MultiWorkerMirroredStrategy.__init__`, before the
 rendezvous: it resolves every private Keras name the backend needs (every `Target` of
-`keras_mwms.backends.keras_api.targets`) and checks the Keras and backend releases
+`keras_mwms.backends.keras_api.targets`, the private methods and properties the accessors of
+`attributes` call included; instance attributes exist only on built objects, and
+`tests/test_keras_api.py` reads those on real ones) and checks the Keras and backend releases
 (`keras_mwms.backends.patches.require_supported_versions`). A release keras_mwms cannot serve
 fails every worker within seconds, naming the release, what it lacks and the override, instead
 of after the rendezvous or in the middle of the first `fit`.

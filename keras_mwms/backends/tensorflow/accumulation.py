@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from keras_mwms.backends import policy
+from keras_mwms.backends.keras_api import optimizer_attributes
 
 
 def accumulates_locally(optimizer: Any) -> bool:
@@ -112,17 +113,16 @@ def accumulate_or_apply(optimizer: Any, shares: list, trainable_variables: list,
     from keras import ops
 
     steps = optimizer.gradient_accumulation_steps
-    accumulators = [optimizer._accumulated_gradients[optimizer._get_variable_index(variable)]
-                    for variable in trainable_variables]
+    accumulators = [optimizer_attributes.accumulator_of(optimizer, variable) for variable in trainable_variables]
     window = [share + accumulator.value for share, accumulator in zip(shares, accumulators)]
-    is_update_step = (optimizer._iterations + 1) % steps == 0
+    is_update_step = (optimizer_attributes.iterations_variable(optimizer) + 1) % steps == 0
 
     def apply_window():
         totals = sum_across_workers(window)
-        grads = optimizer._clip_gradients([total / steps for total in totals])
-        optimizer._apply_weight_decay(trainable_variables)
-        optimizer._backend_update_step(grads, trainable_variables, optimizer.learning_rate)
-        optimizer._backend_reset_gradient_accumulators()
+        grads = optimizer_attributes.clip_gradients(optimizer, [total / steps for total in totals])
+        optimizer_attributes.apply_weight_decay(optimizer, trainable_variables)
+        optimizer_attributes.backend_update_step(optimizer, grads, trainable_variables, optimizer.learning_rate)
+        optimizer_attributes.reset_gradient_accumulators(optimizer)
 
     def keep_window():
         for accumulator, value in zip(accumulators, window):

@@ -127,7 +127,7 @@ def batch_without_iterating(adapter: Any) -> Any:
     True
     """
     if isinstance(adapter, internals.generator_adapter_class()):
-        return adapter._first_batches[0]
+        return attributes.generator_first_batches(adapter)[0]
     if isinstance(adapter, internals.py_dataset_adapter_class()):
         batch = adapter.py_dataset[0]
         return batch if isinstance(batch, tuple) else (batch,)
@@ -135,7 +135,7 @@ def batch_without_iterating(adapter: Any) -> Any:
         # A new iterator of a dataset shuffled with `reshuffle_each_iteration` advances its
         # seed: training would start at the *second* shuffle order. The element spec has the
         # shapes and dtypes the build needs.
-        return symbolic_batch_of_spec(adapter._dataset.element_spec)
+        return symbolic_batch_of_spec(attributes.tf_dataset_of(adapter).element_spec)
     return None
 
 
@@ -313,7 +313,7 @@ def pydataset_read_by_index(original: Callable) -> Callable:
                 or not _PY_DATASETS.get(self.py_dataset, "by_index", False)):
             # Keras' `from_generator` of the PyDataset's batches: copied, as a generator's are.
             return copied_in_graph(dataset)
-        return _indexed_dataset(self, self._output_signature)
+        return _indexed_dataset(self, attributes.py_dataset_output_signature(self))
 
     return get_tf_dataset
 
@@ -352,7 +352,7 @@ def _indexed_dataset(adapter: Any, signature: Any) -> Any:
 
     def read(index):
         with LEDGER.data(int(index)):   # the hang report's and straggler table's data phase
-            batch = adapter._standardize_batch(adapter.py_dataset[state.order[int(index)]])
+            batch = attributes.standardize_batch(adapter, adapter.py_dataset[state.order[int(index)]])
         return [owned_copy(leaf, spec.dtype.as_numpy_dtype) for leaf, spec in zip(tf.nest.flatten(batch), specs)]
 
     def load(index):

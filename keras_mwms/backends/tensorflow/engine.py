@@ -37,6 +37,7 @@ import numpy as np
 from keras_mwms import active
 from keras_mwms.backends import policy
 from keras_mwms.backends.base import Backend
+from keras_mwms.backends.keras_api import attributes
 from keras_mwms.backends.patches import PatchTable
 from keras_mwms.backends.tensorflow import patches
 from keras_mwms.backends.tensorflow.faults import TensorFlowFaults
@@ -216,7 +217,7 @@ class TensorFlowBackend(Backend):
 
     def uses(self, model: Any) -> bool:
         """Whether `model` was built in this backend's scope (it then trains on all workers)."""
-        return self.strategy is not None and getattr(model, "_distribute_strategy", None) is self.strategy
+        return self.strategy is not None and attributes.distribute_strategy(model) is self.strategy
 
     def trains_on_all_workers(self, model: Any) -> bool:
         return self.uses(model)

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from keras_mwms.backends import fit_call
+from keras_mwms.backends.keras_api import attributes
 from keras_mwms.backends.patches import ObjectState
 from keras_mwms.backends.tensorflow import data
 from keras_mwms.resume import resumable_inputs
@@ -149,11 +150,12 @@ def _predict_on_this_worker(call: fit_call.FitCall) -> Any:
     function is kept for the next call.
     """
     model = call.model
-    saved_strategy, saved_function = model._distribute_strategy, model.predict_function
-    model._distribute_strategy = None
+    saved_strategy, saved_function = attributes.distribute_strategy(model), model.predict_function
+    attributes.set_distribute_strategy(model, None)
     model.predict_function = _local_predict_functions.get(model, "function")
     try:
         return call.keras()
     finally:
         _local_predict_functions.of(model).function = model.predict_function
-        model._distribute_strategy, model.predict_function = saved_strategy, saved_function
+        attributes.set_distribute_strategy(model, saved_strategy)
+        model.predict_function = saved_function

@@ -53,7 +53,7 @@ from typing import Any
 
 from keras_mwms.backends import policy
 from keras_mwms.backends.compression import WIRE, wire_dtype
-from keras_mwms.backends.keras_api import internals
+from keras_mwms.backends.keras_api import internals, optimizer_attributes
 from keras_mwms.backends.tensorflow.accumulation import (
     accumulate_or_apply,
     accumulates_locally,
@@ -251,7 +251,7 @@ class RowWeighting:
             import tensorflow as tf
 
             context = tf.distribute.get_replica_context()
-            if context is None or optimizer._distribution_strategy is not self.strategy:
+            if context is None or optimizer_attributes.distribution_strategy(optimizer) is not self.strategy:
                 return original(optimizer, grads, trainable_variables, *args, **kwargs)
             # In a Keras loop the losses are already row-weighted: average. Elsewhere Keras
             # scaled each replica's loss by 1/replicas: sum, as Keras does. (The loop count,
@@ -316,7 +316,7 @@ class RowWeighting:
             context = tf.distribute.get_replica_context()
             if context is None or tf.distribute.get_strategy() is not self.strategy:
                 return original(optimizer, grads, trainable_variables, *args, **kwargs)
-            if optimizer.inner_optimizer._distribution_strategy is not self.strategy:
+            if optimizer_attributes.distribution_strategy(optimizer.inner_optimizer) is not self.strategy:
                 # Keras' own path would deadlock across workers in the first step.
                 raise ValueError(
                     "keras_mwms: this LossScaleOptimizer (mixed_float16) was created outside "
@@ -340,8 +340,8 @@ class RowWeighting:
                                             tf.constant(float("inf"), local[i].dtype), local[i])
                 finite = optimizer.check_finite(local)
                 ops.cond(finite,
-                         lambda: optimizer._stateful_handle_finite_grads(local, trainable_variables),
-                         optimizer._stateful_handle_non_finite_grads)
+                         lambda: optimizer_attributes.handle_finite_grads(optimizer, local, trainable_variables),
+                         lambda: optimizer_attributes.handle_non_finite_grads(optimizer))
 
             context.merge_call(update, args=(reduced,))
 

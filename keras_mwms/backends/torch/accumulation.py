@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from keras_mwms.backends.compression import WIRE
+from keras_mwms.backends.keras_api import optimizer_attributes
 from keras_mwms.backends.policy import accumulation_steps
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 
 def is_update_step(optimizer: Any, steps: int) -> bool:
     """Whether this micro-step applies the accumulated gradient (Keras' own test)."""
-    return (int(optimizer._iterations.value.item()) + 1) % steps == 0
+    return (int(optimizer_attributes.iterations_variable(optimizer).value.item()) + 1) % steps == 0
 
 
 def local_share(grads: list, row_scale: float, total_weight: float) -> list:
@@ -90,9 +91,8 @@ def accumulate(backend: TorchEngine, optimizer: Any, steps: int, grads: list, va
     if not is_update_step(optimizer, steps):
         return shares
     if variables is None:
-        variables = optimizer._trainable_variables
-    accumulators = [optimizer._accumulated_gradients[optimizer._get_variable_index(variable)]
-                    for variable in variables]
+        variables = optimizer_attributes.trainable_variables(optimizer)
+    accumulators = [optimizer_attributes.accumulator_of(optimizer, variable) for variable in variables]
     present_slots = [i for i, share in enumerate(shares) if share is not None]
     payload = [shares[i] + accumulators[i].value.data for i in present_slots]
     summed = reduce_gradients(backend, payload)
@@ -116,10 +116,11 @@ def settle_window(backend: TorchEngine, optimizer: Any, broadcast: Callable[[], 
     """
     steps = accumulation_steps(optimizer)
     if not steps or not getattr(optimizer, "built", False) or not backend.distributed \
-            or int(optimizer._iterations.value.item()) % steps == 0:
+            or int(optimizer_attributes.iterations_variable(optimizer).value.item()) % steps == 0:
         broadcast()
         return
-    accumulators = [accumulator for accumulator in optimizer._accumulated_gradients if accumulator is not None]
+    accumulators = [accumulator for accumulator in optimizer_attributes.accumulated_gradients(optimizer)
+                    if accumulator is not None]
     summed = backend.all_reduce_flat([accumulator.value.data for accumulator in accumulators],
                                      what="accumulator all-reduce")
     for accumulator, total in zip(accumulators, summed):

@@ -49,7 +49,7 @@ import math
 
 import torch
 
-from keras_mwms.backends.keras_api import internals
+from keras_mwms.backends.keras_api import internals, optimizer_attributes
 from keras_mwms.backends.torch.state import STATE
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -95,6 +95,14 @@ def update(optimizer, grads, keras_variables, learning_rate, fused_kernel: bool 
         _in_place_update(optimizer, grads, keras_variables, learning_rate)
 
 
+def _adam_slots(optimizer, keras_variables: list) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Adam's first- and second-moment tensors of `keras_variables`, in their order."""
+    momentums = optimizer_attributes.adam_momentums(optimizer)
+    velocities = optimizer_attributes.adam_velocities(optimizer)
+    slots = [optimizer_attributes.variable_index(optimizer, variable) for variable in keras_variables]
+    return [momentums[slot].value for slot in slots], [velocities[slot].value for slot in slots]
+
+
 def _scratch(optimizer, variables: list[torch.Tensor]) -> tuple[list, list]:
     """Two buffers shaped like `variables`, kept on the optimizer while the variables stay the same."""
     key = tuple(id(variable) for variable in variables)
@@ -124,9 +132,7 @@ def _in_place_update(optimizer, grads, keras_variables, learning_rate) -> None:
     beta_2_power = ops.power(ops.cast(optimizer.beta_2, dtype), local_step)
     alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
 
-    index = optimizer._get_variable_index
-    momentums = [optimizer._momentums[index(variable)].value for variable in keras_variables]
-    velocities = [optimizer._velocities[index(variable)].value for variable in keras_variables]
+    momentums, velocities = _adam_slots(optimizer, keras_variables)
     first, second = _scratch(optimizer, variables)
 
     torch._foreach_mul_(momentums, optimizer.beta_1)
@@ -159,10 +165,8 @@ def _fused_kernel_update(optimizer, grads, keras_variables, learning_rate) -> No
     """
     from keras import ops
 
-    index = optimizer._get_variable_index
     params = [variable.value for variable in keras_variables]
-    momentums = [optimizer._momentums[index(variable)].value for variable in keras_variables]
-    velocities = [optimizer._velocities[index(variable)].value for variable in keras_variables]
+    momentums, velocities = _adam_slots(optimizer, keras_variables)
     # `iterations` is a Variable, or a tensor (iterations // steps) with gradient accumulation.
     step = float(ops.convert_to_numpy(optimizer.iterations)) + 1.0
     beta_1, beta_2 = float(optimizer.beta_1), float(optimizer.beta_2)

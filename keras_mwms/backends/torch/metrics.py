@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from keras_mwms.backends import policy
+from keras_mwms.backends.keras_api import attributes
 from keras_mwms.backends.torch.state import STATE
 
 if TYPE_CHECKING:
@@ -102,7 +103,7 @@ def global_logs(model, backend: TorchEngine, logs, rows: int, local_results: dic
     for name, result in local_results.items():
         flat_keys.update(result if isinstance(result, dict) else (name,))
     if not isinstance(logs, dict) or set(logs) == flat_keys:
-        return model._get_metrics_result_or_logs(logs) if metric_logs_now else logs
+        return attributes.metrics_result_or_logs(model, logs) if metric_logs_now else logs
     numeric = {key: leaves for key, value in logs.items()
                if (leaves := _numeric_leaves(value)) is not None}
     flags = [float(key in local_results and _same_values(logs[key], local_results[key]))

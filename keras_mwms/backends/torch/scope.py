@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from keras_mwms.backends import policy
+from keras_mwms.backends.keras_api import attributes
 
 
 class ScopeVariables:
@@ -79,8 +80,8 @@ class ScopeVariables:
         naming the workers and the fix, raised without entering any collective.
         """
         variables = [variable for variable in variables
-                     if getattr(variable, "_value", None) is not None
-                     and variable._value.device.type != "meta"]
+                     if attributes.variable_value(variable) is not None
+                     and attributes.variable_value(variable).device.type != "meta"]
         engine = self.engine
         if not variables or not engine.distributed:
             return

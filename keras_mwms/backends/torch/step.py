@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from keras_mwms.backends import policy
-from keras_mwms.backends.keras_api import internals
+from keras_mwms.backends.keras_api import attributes, internals
 from keras_mwms.backends.torch import accumulation, gradients, metrics
 from keras_mwms.backends.torch.overlap import OverlappedGradients
 from keras_mwms.backends.torch.state import STATE, model_of
@@ -131,16 +131,16 @@ def train_step_metrics_first(model, data, rows: int) -> None:
     """
     from keras import tree
     x, y, sample_weight = internals.unpack_x_y_sample_weight(data)
-    y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
+    y_pred = model(x, training=True) if attributes.call_has_training_arg(model) else model(x)
     model.zero_grad()
-    loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                               training=True)
+    loss = attributes.compute_loss(model, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
     if rows:
-        model._loss_tracker.update_state(
+        attributes.loss_tracker(model).update_state(
             loss, sample_weight=next(i for i in tree.flatten(x) if i is not None).shape[0])
-        if model._compile_metrics is not None:
+        compiled_metrics = attributes.compile_metrics(model)
+        if compiled_metrics is not None:
             with torch.no_grad():
-                model._compile_metrics.update_state(y, y_pred, sample_weight)
+                compiled_metrics.update_state(y, y_pred, sample_weight)
     loss = model.optimizer.scale_loss(loss)
     loss.backward()
     trainable_weights = model.trainable_weights[:]
