@@ -46,7 +46,7 @@ import numpy as np
 from keras_mwms.backends import policy
 from keras_mwms.backends.compression import WIRE, wire_dtype
 from keras_mwms.backends.jax.step_payload import MicroStepCounter, from_wire, to_wire
-from keras_mwms.backends.keras_api import attributes
+from keras_mwms.backends.keras_api import attributes, optimizer_attributes
 
 _TRACING: list = []   # (axis name, batch sharded) while a sharded step is traced
 
@@ -80,7 +80,7 @@ def global_moments(layer, inputs, mask, original):
     axis, sharded = _TRACING[-1]
     if not sharded:
         return original(layer, inputs, mask)
-    axes = tuple(layer._reduction_axes)
+    axes = tuple(attributes.batch_norm_reduction_axes(layer))
     rows = float(np.prod([inputs.shape[a] for a in axes]))
     sums = jax.lax.psum(jnp.stack([jnp.sum(inputs, axes), jnp.sum(inputs * inputs, axes)]), axis)
     total = rows * jax.lax.psum(1, axis)
@@ -102,7 +102,7 @@ class ShardedTrainStep:
         self._reductions = [policy.metric_reduction(metric, variable)
                             for metric in model.metrics for variable in metric.variables]
         self._micro_steps = MicroStepCounter(next(i for i, variable in enumerate(self._optimizer.variables)
-                                                  if variable is self._optimizer._iterations))
+                                                  if variable is optimizer_attributes.iterations_variable(self._optimizer)))
         self._window = None
         self._compiled: dict = {}
 
