@@ -6,6 +6,9 @@
   package root back: the facade hands a backend what it needs, `keras_mwms.active` says who is
   active;
 - backend adapters never import each other, only the neutral core;
+- the benchmark (`keras_mwms/benchmark/`) uses only the public API and the core, like a user:
+  it never imports a backend adapter (`keras_mwms.backends.tensorflow|jax|torch`) or the Keras
+  firewall (`keras_mwms.backends.keras_api`);
 - no class in `keras_mwms/backends/` is longer than 300 lines;
 - no `_keras_mwms_*` attribute is set on Keras objects (per-object state lives in `ObjectState`);
 - every exception class derives from `keras_mwms.errors.KerasMwmsError`, is defined in
@@ -147,6 +150,31 @@ def test_each_backend_is_one_subpackage_that_imports_no_other_backend():
     crossings = [(module, target) for module, targets in graph.items() for target in targets
                  if adapter_of(module) and adapter_of(target) and adapter_of(module) != adapter_of(target)]
     assert crossings == []
+
+
+def benchmark_reaches_into_adapters(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Benchmark module → the adapter or firewall modules it imports (none allowed)."""
+    firewall = "keras_mwms.backends.keras_api"
+    found = {module: sorted(target for target in targets
+                            if adapter_of(target) or target == firewall or target.startswith(firewall + "."))
+             for module, targets in graph.items() if module.startswith("keras_mwms.benchmark")}
+    return {module: targets for module, targets in found.items() if targets}
+
+
+def test_the_benchmark_uses_only_the_public_api_and_the_core():
+    """What the benchmark needs from a backend it asks through the strategy or the core
+    (`keras_mwms.backends.backend_class`, `PatchTable`), so it measures what a user can run."""
+    assert benchmark_reaches_into_adapters(import_graph()) == {}
+
+
+def test_the_benchmark_rule_finds_an_adapter_import():
+    graph = {"keras_mwms.benchmark.peers": {"keras_mwms.backends.jax.patches", "keras_mwms.backends.base"},
+             "keras_mwms.benchmark.fit": {"keras_mwms.backends.keras_api.targets"},
+             "keras_mwms.benchmark.worker": {"keras_mwms.backends", "keras_mwms.diagnostics"},
+             "keras_mwms.strategy": {"keras_mwms.backends.jax"}}
+    assert benchmark_reaches_into_adapters(graph) == {
+        "keras_mwms.benchmark.fit": ["keras_mwms.backends.keras_api.targets"],
+        "keras_mwms.benchmark.peers": ["keras_mwms.backends.jax.patches"]}
 
 
 def test_no_backend_class_over_300_lines():

@@ -95,6 +95,19 @@ class Backend(abc.ABC):
         """This backend's private-Keras patches (none by default)."""
         return PatchTable(self.name or type(self).__name__, [])
 
+    @staticmethod
+    def crash_repairs() -> PatchTable:
+        """The rows of `patch_table()` that only keep Keras' own multi-worker training from
+        crashing, as a table of their own, for Keras with the framework's strategy and no
+        keras_mwms (the benchmark's native peer); none by default.
+
+        Example:
+
+        >>> [row.name for row in Backend.crash_repairs()]
+        []
+        """
+        return PatchTable("crash repairs", [])
+
     def install_patches(self) -> None:
         """Installs `patch_table()` once (checked row by row before anything changes)."""
         if self._patches is None:

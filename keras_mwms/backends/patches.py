@@ -338,6 +338,8 @@ class PatchTable:
     (['plus-one'], True)
     >>> table.uninstall(); holder.value(), table.installed
     (1, False)
+    >>> table.install(); holder.value(), table.original("plus-one")()
+    (2, 1)
     """
 
     def __init__(self, name: str, rows: Iterable[Patch]):
@@ -347,6 +349,7 @@ class PatchTable:
         if len(set(names)) != len(names):
             raise ValueError(f"patch table {name!r} has duplicate row names: {names}")
         self._originals: list[tuple[Any, str, Any]] = []
+        self._replaced: dict[str, Any] = {}
 
     def __iter__(self) -> Iterator[Patch]:
         return iter(self.rows)
@@ -372,6 +375,7 @@ class PatchTable:
             own = not isinstance(owner, type) or attribute in vars(owner)
             setattr(owner, attribute, replacement)
             self._originals.append((owner, attribute, raw if own else _INHERITED))
+            self._replaced[row.name] = original
 
     def check(self) -> list[str]:
         """Why rows that serve the installed Keras could not be applied (target, signature), one
@@ -393,8 +397,20 @@ class PatchTable:
                 problems.append(str(error))
         return problems
 
+    def original(self, name: str) -> Any:
+        """What row `name` replaces, also while the table is installed: Keras' own attribute,
+        for timing Keras unpatched beside keras_mwms (the benchmark's native peers)."""
+        if name in self._replaced:
+            return self._replaced[name]
+        for row in self.rows:
+            if row.name == name:
+                return getattr(*row.resolve())
+        raise ValueError(f"patch table {self.name!r} has no row {name!r}; its rows: "
+                         f"{', '.join(row.name for row in self.rows)} (ARCHITECTURE.md lists them).")
+
     def uninstall(self) -> None:
         """Restores every original, last patched first."""
+        self._replaced.clear()
         while self._originals:
             owner, attribute, raw = self._originals.pop()
             if raw is _INHERITED:

@@ -27,6 +27,11 @@ worker process), `analysis` (ratios, overhead), `report` (tables, JSON, PNG), `c
 `scaling.png`), `runner` (the driver), `command` (the CLI), `compression` and
 `compression_worker` (`python -m keras_mwms.benchmark compression --link 1gbit,100mbit`: gradient
 compression across two network namespaces over a tc-shaped veth pair; needs root).
+
+It measures what a user can run: it imports only the public API (`keras_mwms`, the strategy,
+the launcher) and the neutral core, never a backend adapter (`keras_mwms.backends.tensorflow`,
+`.jax`, `.torch`) or the Keras firewall (`keras_mwms.backends.keras_api`); what it needs from a
+backend it asks the core (`tests/test_architecture.py` keeps it so).
 """
 
 from keras_mwms.benchmark.command import main

@@ -2,7 +2,7 @@
 
 | backend    | peer variant            | what users would run instead of keras_mwms                     |
 |------------|-------------------------|----------------------------------------------------------------|
-| tensorflow | `keras3+tf.distribute`  | Keras 3 + `tf.distribute.MultiWorkerMirroredStrategy`, with only the two Keras 3.15.1 crash fixes (the crash-repair rows of `keras_mwms.backends.tensorflow.patches`) |
+| tensorflow | `keras3+tf.distribute`  | Keras 3 + `tf.distribute.MultiWorkerMirroredStrategy`, with only the two Keras 3.15.1 crash fixes (`backend_class("tensorflow").crash_repairs()`) |
 | tensorflow | `tf-keras+tf.distribute`| tf-keras 2.21 (legacy Keras 2) + `tf.distribute.MultiWorkerMirroredStrategy` |
 | jax        | `keras.DataParallel`    | Keras' own `fit` (unpatched) under `keras.distribution.DataParallel`, each process feeding its shard |
 | jax        | `keras_mwms DataParallel path` | keras_mwms' `fit` with the model pinned to its previous (pre-flat) path: `KERAS_MWMS_JAX_PATH=dataparallel` behaviour |
@@ -44,14 +44,10 @@ def tensorflow_native_strategy(workers: int):
         return None
     import tensorflow as tf
 
-    from keras_mwms.backends.keras_api import targets
-    from keras_mwms.backends.tensorflow import patches
+    from keras_mwms.backends import backend_class
 
     # Only the two Keras 3.15.1 crash fixes (keras-team/keras#20585), none of keras_mwms' wrappers.
-    owner, attribute = targets.TF_MAYBE_SYMBOLIC_BUILD.resolve()
-    setattr(owner, attribute, patches._maybe_symbolic_build)
-    owner, attribute = targets.TF_REDUCE_PER_REPLICA.resolve()
-    setattr(owner, attribute, patches._make_reduce_per_replica(getattr(owner, attribute)))
+    backend_class("tensorflow").crash_repairs().install()
     return tf.distribute.MultiWorkerMirroredStrategy()
 
 
@@ -92,9 +88,8 @@ def jax_data_parallel_fit(strategy, config: BenchmarkConfig, model_name: str, re
     """Keras' own, unpatched `fit` under the `DataParallel` distribution, fed this worker's shard."""
     import keras
 
-    from keras_mwms.backends.jax import patches as jax_patches
-
-    plain_fit = jax_patches.unpatched("fit")
+    # The JAX table is the process's one, installed by the strategy: its row's original is Keras' fit.
+    plain_fit = strategy.backend.patch_table().original("fit-global-batches")
     rows = local_rows(config, len(x), strategy.num_workers, strategy.worker_index)
     # keras_mwms' flat path leaves no distribution set globally: enter Keras' own DataParallel.
     distribution = strategy.backend.distribution

@@ -23,7 +23,6 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_mwms  # noqa: E402
-from keras_mwms.backends.jax import patches as jax_patches  # noqa: E402
 from keras_mwms.data import worker_row_indices  # noqa: E402
 
 GLOBAL_BATCH, ROWS, EPOCHS = 64, 4096, 4
@@ -65,7 +64,7 @@ def steps_per_second(clock):
 
 
 rows = np.concatenate(worker_row_indices(ROWS, GLOBAL_BATCH, strategy.num_workers, strategy.worker_index))
-plain_fit = jax_patches.unpatched("fit")
+plain_fit = strategy.backend.patch_table().original("fit-global-batches")
 
 
 def fit_flat():

@@ -25,13 +25,9 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 if mode == "raw":
-    from keras.src.backend.tensorflow import trainer as tensorflow_trainer
+    from keras_mwms.backends import backend_class
 
-    from keras_mwms.backends.tensorflow import patches
-
-    tensorflow_trainer.TensorFlowTrainer._maybe_symbolic_build = patches._maybe_symbolic_build
-    tensorflow_trainer.reduce_per_replica = patches._make_reduce_per_replica(
-        tensorflow_trainer.reduce_per_replica)
+    backend_class("tensorflow").crash_repairs().install()
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
 else:
     import keras_mwms

@@ -383,19 +383,6 @@ def _global_metrics(original):
     return get_metrics_result_or_logs
 
 
-def unpatched(method_name: str):
-    """Keras' own trainer's `<method_name>` (`JAXTrainer`'s), also while the table is
-    installed (for the benchmark's plain-Keras peer).
-
-    Example:
-
-    >>> unpatched("fit").__name__
-    'fit'
-    """
-    method = getattr(internals.trainer_class(), method_name)
-    return method.__wrapped__ if PATCHES.installed and hasattr(method, "__wrapped__") else method
-
-
 _HOOKS = JaxFitHooks()
 
 PATCHES = PatchTable("jax", [

@@ -194,6 +194,11 @@ class TensorFlowBackend(Backend):
         """The Keras repairs, the fit/evaluate/predict wrappers and the row weighting."""
         return patches.patch_table(self)
 
+    @staticmethod
+    def crash_repairs() -> PatchTable:
+        """Keras 3.15.1's two crashes under `tf.distribute.MultiWorkerMirroredStrategy` repaired."""
+        return patches.crash_repairs()
+
     def install_patches(self) -> None:
         """Installs this backend's table; a previous, unclosed TF strategy's table goes first.
 

@@ -154,9 +154,9 @@ def _shared_per_worker_statistics(original: Callable) -> Callable:
 _HOOKS = fit_hooks.TensorFlowFitHooks()
 
 
-def _trainer_rows(backend: Any) -> list[Patch]:
-    """The rows on the trainer: the crash repairs and the fit/evaluate/predict wrappers."""
-    rows = [
+def _crash_repair_rows() -> list[Patch]:
+    """The two rows without which Keras' own trainer crashes under a multi-worker `tf.distribute`."""
+    return [
         Patch(name="tf-symbolic-build-per-leaf",
               target=targets.TF_MAYBE_SYMBOLIC_BUILD,
               replacement=lambda original: _maybe_symbolic_build,
@@ -170,6 +170,23 @@ def _trainer_rows(backend: Any) -> list[Patch]:
                            "scalars and omits the axis for 'sum'",
               parameters=("values", "strategy", "reduction")),
     ]
+
+
+def crash_repairs() -> PatchTable:
+    """The crash repairs alone, for Keras 3 with TensorFlow's own `MultiWorkerMirroredStrategy`
+    (`Backend.crash_repairs`: the benchmark's native peer).
+
+    Example:
+
+    >>> [row.name for row in crash_repairs()]
+    ['tf-symbolic-build-per-leaf', 'tf-reduce-per-replica-scalar-axis']
+    """
+    return PatchTable("tensorflow", _crash_repair_rows())
+
+
+def _trainer_rows(backend: Any) -> list[Patch]:
+    """The rows on the trainer: the crash repairs and the fit/evaluate/predict wrappers."""
+    rows = _crash_repair_rows()
     rows += [Patch(name=f"tf-{method}-wrapper", target=target,
                    replacement=fit_call.replacement(method, _HOOKS),
                    works_around="Keras runs each worker's loop as if it were alone: progress bars, "
