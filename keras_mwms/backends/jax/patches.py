@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 
 from keras_mwms import active
-from keras_mwms.backends import fit_call, policy
+from keras_mwms.backends import batch_norm, fit_call, policy
 from keras_mwms.backends.jax import data, sharded_step, step
 from keras_mwms.backends.keras_api import attributes, internals, targets
 from keras_mwms.backends.patches import Patch, PatchTable
@@ -337,16 +337,10 @@ def _flat_function(attribute: str, build):
     return replacement
 
 
-def _sharded_batch_norm_moments(original):
-    @functools.wraps(original)
-    def _moments(self, inputs, mask):
-        """Global moments inside keras_mwms' sharded DataParallel step (`sharded_step`)."""
-        backend = _several_workers()
-        if backend is None or not policy.global_batch_norm_moments(self, backend.options):
-            return original(self, inputs, mask)
-        return sharded_step.global_moments(self, inputs, mask, original)
-
-    return _moments
+# Global moments inside keras_mwms' sharded DataParallel step (`sharded_step`, `backends/batch_norm.py`).
+_sharded_batch_norm_moments = batch_norm.moments_replacement(
+    in_step=lambda layer, backend: backend.num_workers > 1 and sharded_step.tracing_sharded_batch(),
+    global_moments=lambda backend, inputs, axes: sharded_step.global_moments(inputs, axes))
 
 
 def _flat_train_step(backend, model):

@@ -70,17 +70,17 @@ def draws_random_numbers(model) -> str | None:
     return None
 
 
-def global_moments(layer, inputs, mask, original):
-    """BatchNormalization's moments over every device's rows while a sharded step is traced."""
-    if not _TRACING or mask is not None:
-        return original(layer, inputs, mask)
+def tracing_sharded_batch() -> bool:
+    """Whether a sharded step whose batch is split over the devices is being traced now."""
+    return bool(_TRACING) and _TRACING[-1][1]
+
+
+def global_moments(inputs, axes: tuple) -> tuple:
+    """BatchNormalization's mean and variance over every device's rows (one `psum`), while traced."""
     import jax
     import jax.numpy as jnp
 
-    axis, sharded = _TRACING[-1]
-    if not sharded:
-        return original(layer, inputs, mask)
-    axes = tuple(attributes.batch_norm_reduction_axes(layer))
+    axis = _TRACING[-1][0]
     rows = float(np.prod([inputs.shape[a] for a in axes]))
     sums = jax.lax.psum(jnp.stack([jnp.sum(inputs, axes), jnp.sum(inputs * inputs, axes)]), axis)
     total = rows * jax.lax.psum(1, axis)

@@ -28,6 +28,7 @@ from typing import Any
 import keras
 
 from keras_mwms import active
+from keras_mwms.backends import batch_norm as core_batch_norm
 from keras_mwms.backends import fit_call, policy
 from keras_mwms.backends.keras_api import attributes, internals, targets
 from keras_mwms.backends.patches import ANY_KERAS, Patch, PatchTable
@@ -114,21 +115,11 @@ def _counted_train_function(original: Callable) -> Callable:
 
 # -- BatchNormalization across workers (`batch_norm`) --------------------------------------
 
-def _global_batch_norm_moments(original: Callable) -> Callable:
-    """Keras' `BatchNormalization._moments`, over the global batch in a multi-replica step."""
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def _moments(self, *args, **kwargs):
-        backend = active.active_backend()
-        values = signature.bind(self, *args, **kwargs).arguments
-        if backend is None or values["mask"] is not None or not batch_norm.in_multi_replica_step():
-            return original(self, *args, **kwargs)
-        if policy.global_batch_norm_moments(self, backend.options):
-            return batch_norm.global_moments(values["inputs"], tuple(attributes.batch_norm_reduction_axes(self)))
-        return batch_norm.finite_when_empty(original(self, *args, **kwargs), values["inputs"])
-
-    return _moments
+# Keras' moments replaced where a step spans several replicas (`backends/batch_norm.py`).
+_global_batch_norm_moments = core_batch_norm.moments_replacement(
+    in_step=lambda layer, backend: batch_norm.in_multi_replica_step(),
+    global_moments=lambda backend, inputs, axes: batch_norm.global_moments(inputs, axes),
+    per_worker=batch_norm.finite_when_empty)
 
 
 def _shared_per_worker_statistics(original: Callable) -> Callable:

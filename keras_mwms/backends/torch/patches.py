@@ -35,8 +35,8 @@ from collections.abc import Callable
 from typing import Any
 
 from keras_mwms import active
-from keras_mwms.backends import fit_call, policy
-from keras_mwms.backends.keras_api import attributes, targets
+from keras_mwms.backends import batch_norm, fit_call
+from keras_mwms.backends.keras_api import targets
 from keras_mwms.backends.patches import KerasHas, Patch, PatchTable
 from keras_mwms.backends.torch import data, fused_adam, gradients, metrics, step
 from keras_mwms.backends.torch.state import STATE, backend_of, model_of
@@ -134,26 +134,11 @@ def _synchronized_batch_norm(original: Callable) -> Callable:
     return __init__
 
 
-def _global_moments(original: Callable) -> Callable:
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def _moments(self, *args, **kwargs):
-        backend = active.active_backend()
-        # synchronized=True: global wherever the strategy is active (a custom loop too); an
-        # ordinary layer: global inside a distributed train step, unless per-worker was chosen
-        # (one worker keeps Keras' own moments, bit for bit).
-        wanted = backend is not None and (self.synchronized or (
-            backend.in_train_step and backend.distributed
-            and policy.global_batch_norm_moments(self, backend.options)))
-        if not wanted:
-            return original(self, *args, **kwargs)
-        values = signature.bind(self, *args, **kwargs).arguments
-        if values["mask"] is not None:
-            return original(self, *args, **kwargs)
-        return gradients.synchronized_moments(backend, values["inputs"], tuple(attributes.batch_norm_reduction_axes(self)))
-
-    return _moments
+# synchronized=True: global wherever the strategy is active (a custom loop too); an ordinary
+# layer: inside a distributed train step, unless per-worker was chosen (`backends/batch_norm.py`).
+_global_moments = batch_norm.moments_replacement(
+    in_step=lambda layer, backend: layer.synchronized or (backend.in_train_step and backend.distributed),
+    global_moments=gradients.synchronized_moments)
 
 
 def _noted_variables(original: Callable) -> Callable:
