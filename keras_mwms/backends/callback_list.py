@@ -7,7 +7,7 @@ While installed, the row `worker-aware-keras-callbacks` passes them first throug
 conversion the facade installed it with (`keras_mwms.callbacks.worker_aware.worker_aware`:
 Keras' own file-writing callbacks become keras_mwms' chief-aware ones), so the policy lives in
 one place instead of in each backend's `fit` wrapper. The strategy installs the row when it is
-created and `close()` removes it.
+created (with its other tables, `keras_mwms.active.Session`) and `close()` removes it.
 
 Example (a stand-in conversion; the facade installs the real one):
 
@@ -26,6 +26,7 @@ import functools
 import inspect
 from collections.abc import Callable
 
+from keras_mwms import active
 from keras_mwms.backends.keras_api import targets
 from keras_mwms.backends.patches import Patch, PatchTable
 
@@ -44,6 +45,9 @@ def uninstall() -> None:
     global _conversion
     PATCHES.uninstall()
     _conversion = None
+
+
+active.register(__name__, "_conversion", reset=uninstall, state=lambda: _conversion)
 
 
 def _converting_init(original):

@@ -15,8 +15,10 @@ run. What TF lacks, and what this module adds, is
   `broadcast_object`, `barrier`) as tiny TF collectives.
 
 TF collectives cannot be torn down inside a process, so `leave()` does nothing: `close()`
-uninstalls the Keras patches, and the process can go on with plain Keras (not with a second
-multi-worker strategy).
+uninstalls the Keras patches, and the process can go on with plain Keras, or a single-worker
+strategy (not with a second multi-worker strategy). A strategy created while another is open
+ends that one's patches first (`keras_mwms.active.begin`), so Keras' methods are never wrapped
+twice.
 
 Example:
 
@@ -34,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from keras_mwms import active, diagnostics
+from keras_mwms import diagnostics
 from keras_mwms.backends import policy
 from keras_mwms.backends.base import Backend
 from keras_mwms.backends.patches import PatchTable
@@ -229,16 +231,6 @@ class TensorFlowBackend(Backend):
     def patch_table(self) -> PatchTable:
         """The Keras repairs, the fit/evaluate/predict wrappers and the row weighting."""
         return patches.patch_table(self)
-
-    def install_patches(self) -> None:
-        """Installs this backend's table; a previous, unclosed TF strategy's table goes first.
-
-        Two tables would wrap the same Keras methods twice (every fit prepared twice).
-        """
-        previous = active.active_backend()
-        if isinstance(previous, TensorFlowBackend) and previous is not self:
-            previous.uninstall_patches()
-        super().install_patches()
 
     @property
     def replicas_per_worker(self) -> int:

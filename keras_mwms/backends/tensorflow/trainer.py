@@ -36,12 +36,14 @@ from typing import Any
 
 import numpy as np
 
-from keras_mwms import resumable_inputs
+from keras_mwms import active, resumable_inputs
 from keras_mwms.backends import fit_call
 from keras_mwms.backends.patches import ObjectState
 from keras_mwms.backends.tensorflow import data
 
 _local_predict_functions = ObjectState()   # model -> its predict function without the strategy
+active.register(__name__, "_local_predict_functions", reset=_local_predict_functions.clear,
+                state=_local_predict_functions.__len__)
 
 
 class TensorFlowFitHooks(fit_call.FitHooks):
