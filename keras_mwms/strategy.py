@@ -200,7 +200,9 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
         # Imported here: keras_mwms.callbacks imports Keras, which the backend has now loaded.
         from keras_mwms.callbacks import worker_aware
 
-        session.start(lambda: callback_list.install(worker_aware.worker_aware), callback_list.uninstall)
+        session.start(lambda: callback_list.convert_with(worker_aware.worker_aware),
+                      lambda: callback_list.convert_with(None))
+        session.install(callback_list.PATCHES)
 
     def close(self) -> None:
         """Restores the Keras internals keras_mwms patched, resets keras_mwms' process-wide state
