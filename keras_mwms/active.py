@@ -116,7 +116,7 @@ class Session:
         while self._undo:
             try:
                 self._undo.pop()()
-            except Exception as error:   # noqa: BLE001 - the rest must still be undone
+            except Exception as error:   # the rest must still be undone
                 failures.append(error)
         self.tables.clear()
         if failures:

@@ -792,7 +792,7 @@ def interrupted_and_resumed_fit(owner, name: str) -> dict:
 def check_lifecycle() -> None:
     """`close()` leaves the process as the strategy found it (`keras_mwms.active`); one worker
     then starts a second strategy in the same process, a notebook's pattern, and closes it too.
-    Dumped to OUT/lifecycle/w<index>.json (tests/test_user_scripts.py)."""
+    Dumped to OUT/lifecycle/w<index>.json (tests/test_user_scripts.py); skipped with --only."""
     results = {"first": interrupted_and_resumed_fit(strategy, "first")}
     installed = common.patches_installed()
     strategy.close()
@@ -808,6 +808,6 @@ def check_lifecycle() -> None:
 
 for variant_name in (arguments.only.split(",") if arguments.only else VARIANTS):
     run_variant(variant_name)
-if strategy is not None:
+if strategy is not None and not arguments.only:
     check_lifecycle()
 common.log("all variants done")
