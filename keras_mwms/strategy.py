@@ -10,7 +10,10 @@ Construction order is the whole point of this module:
 3. **rendezvous** — meet every worker over plain TCP, bounded and fingerprinted, so a missing
    or misconfigured worker is named instead of hanging a backend forever;
 4. **join** — start the backend's real collective engine (TF collectives, `jax.distributed`,
-   `torch.distributed`) on the chief's address.
+   `torch.distributed`) on the chief's address;
+5. **patch** — begin the strategy's `keras_mwms.active.Session`: every Keras patch table and
+   service, in one order (`MultiWorkerMirroredStrategy._patch`); `close()` ends the session
+   (everything undone in reverse, every piece of process-wide state reset) and leaves the engine.
 
 Everything after construction is delegated to the backend adapter in `keras_mwms.backends`.
 """
@@ -23,11 +26,12 @@ from collections.abc import Callable
 from typing import Any
 
 from keras_mwms import active, devices, diagnostics, settings
-from keras_mwms.backends import backend_class, callback_list, policy, resume
+from keras_mwms.backends import backend_class, callback_list, model_scope, policy, resume
 from keras_mwms.backends.keras_api.usability import require_usable
 from keras_mwms.communication import CommunicationOptions
 from keras_mwms.compat_v1 import CompatV1Methods
 from keras_mwms.devices import threads
+from keras_mwms.diagnostics import patches as diagnostics_patches
 from keras_mwms.log import get_logger
 from keras_mwms.resolvers.detect import describe_source, detect_cluster_resolver
 from keras_mwms.startup.advice import advice_for
@@ -92,8 +96,9 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
     Launch it locally with `python -m keras_mwms.launch --workers 2 train.py`.
 
     `strategy.close()` (or leaving a `with MultiWorkerMirroredStrategy() as strategy:` block)
-    restores every Keras internal keras_mwms patched and leaves the backend's process group or
-    distributed runtime; without it, that happens when the process exits.
+    restores every Keras internal keras_mwms patched, resets keras_mwms' process-wide state and
+    leaves the backend's process group or distributed runtime; without it, that happens when
+    the process exits.
 
     Args:
         communication_options: a `CommunicationOptions` (engine, collective timeout, packing,
@@ -177,28 +182,45 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
         if split.threads and self._backend.use_compute_threads(split.threads) and self._resolver.is_chief:
             logger.info(split.announcement(), worker=self._resolver)
         self._backend.join()
-        self._backend.install_patches()
+        self._closed = False
+        active.begin(self, self._backend, self._patch)
+
+    def _patch(self, session: active.Session) -> None:
+        """Every change a strategy makes to Keras and the process, in this order; `close()`
+        undoes them in reverse. Nothing else installs a patch while a strategy is open."""
+        backend = self._backend
+        session.install(backend.patch_table())
+        session.install(model_scope.PATCHES)
+        if backend.num_workers > 1 and diagnostics.LEDGER.enabled:
+            session.install(diagnostics_patches.PATCHES)
+            labels = [policy.worker_label(self._resolver, rank) for rank in range(backend.num_workers)]
+            session.start(lambda: diagnostics.start(backend, labels), diagnostics.stop)
+        # Installed now but a no-op until a BackupAndRestore restore arms it
+        # (`resume.skip_steps_in_next_training_epoch`).
+        session.install(resume.PATCHES)
         # Imported here: keras_mwms.callbacks imports Keras, which the backend has now loaded.
         from keras_mwms.callbacks import worker_aware
 
-        callback_list.install(worker_aware.worker_aware)
-        self._closed = False
-        active.activate(self, self._backend)
+        session.start(lambda: callback_list.convert_with(worker_aware.worker_aware),
+                      lambda: callback_list.convert_with(None))
+        session.install(callback_list.PATCHES)
 
     def close(self) -> None:
-        """Restores the Keras internals keras_mwms patched and leaves the collective engine.
+        """Restores the Keras internals keras_mwms patched, resets keras_mwms' process-wide state
+        (`keras_mwms.active`) and leaves the collective engine.
 
-        Safe to call twice. After `close()` this strategy cannot train; create a new one.
+        Safe to call twice. After `close()` this strategy cannot train; create a new one (one
+        worker: in the same process; TensorFlow's multi-worker collectives stay with the process).
 
         Example: `with keras_mwms.MultiWorkerMirroredStrategy() as strategy: ...`.
         """
         if self._closed:
             return
         self._closed = True
-        active.deactivate(self)
-        callback_list.uninstall()
-        resume.PATCHES.uninstall()
-        self._backend.close()
+        try:
+            active.end(self)
+        finally:
+            self._backend.leave()
 
     def __enter__(self) -> MultiWorkerMirroredStrategy:
         return self
@@ -317,9 +339,9 @@ def get_strategy() -> MultiWorkerMirroredStrategy | None:
     Example:
 
     >>> strategy = object()
-    >>> active.activate(strategy, None); get_strategy() is strategy
+    >>> session = active.begin(strategy, None); get_strategy() is strategy
     True
-    >>> active.deactivate(strategy); get_strategy() is None
+    >>> active.end(strategy); get_strategy() is None
     True
     """
     return active.active_strategy()

@@ -28,6 +28,8 @@
   so a change to one backend's step or patches has an obvious twin in the others;
 - the package root stays readable at a glance: at most `MAX_ROOT_MODULES` modules besides
   `__init__.py`; a new concept goes into the subpackage of its layer (ARCHITECTURE.md).
+- module-level state registers with `keras_mwms.active` (a strategy's `close()` resets it) or
+  says why it lives as long as the process (`PROCESS_LIFETIME`).
 """
 
 from __future__ import annotations
@@ -551,3 +553,96 @@ def test_private_attribute_finder_finds_one(tmp_path):
         "    return getattr(optimizer, '_momentums'), kwargs.get('_use_cached_eval_dataset')\n")
     found = private_keras_names_used({"_iterations", "_momentums", "_use_cached_eval_dataset"}, tmp_path)
     assert found == ["sneaky.py:8 ._iterations", "sneaky.py:9 '_momentums'", "sneaky.py:9 '_use_cached_eval_dataset'"]
+
+
+# -- process-wide state: reset by close(), or living as long as the process for a reason --------
+
+STATE_FACTORIES = {"dict", "list", "set", "local", "WeakSet", "WeakKeyDictionary", "WeakValueDictionary",
+                   "defaultdict", "deque", "Counter", "OrderedDict", "ObjectState"}
+# Package classes whose module-level instances are declarations, fixed after import.
+DECLARATIONS = {"Patch", "PatchTable", "Setting", "Target", "Anchor", "KerasHas"}
+PROCESS_LIFETIME = {
+    "keras_mwms.active._REGISTRY": "the registry of process state itself, filled at import",
+    "keras_mwms.active._session": "the open strategy's session, which close() ends",
+    "keras_mwms.settings.SETTINGS": "the KERAS_MWMS_* declarations, filled at import",
+    "keras_mwms.backends.patches._warned": "the untested-Keras warning is said once per process",
+    "keras_mwms.backends.policy._warned_idle": "the idle-replicas warning is said once per process",
+    "keras_mwms.backends.torch.metrics._warned_custom_logs": "the custom-logs warning is said once per process",
+    "keras_mwms.devices._assignments": "the GPU assignment, fixed once the process saw its GPUs",
+    "keras_mwms.resumable_inputs._stream_class": "a class made once, when Keras is first needed",
+    "keras_mwms.callbacks.worker_aware._twin_class": "a class made once per Keras callback class",
+    "keras_mwms.backends.jax.patches._HOOKS": "a FitHooks, with no state of its own",
+    "keras_mwms.backends.tensorflow.patches._HOOKS": "a FitHooks, with no state of its own",
+    "keras_mwms.backends.torch.patches._HOOKS": "a FitHooks, with no state of its own",
+}
+
+
+def _called_name(node: ast.AST) -> str:
+    return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+
+
+def module_state(tree: ast.Module, package_classes: set[str]) -> set[str]:
+    """Names a module keeps that can change while the process runs: rebound by a `global`
+    statement, bound to a container (an empty one, or one whose name is not a CONSTANT), to a
+    weak or thread-local table, to an `ObjectState` or to an instance of a package class that
+    is not a declaration, and functions with a cache."""
+    found = {name for node in ast.walk(tree) if isinstance(node, ast.Global) for name in node.names}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            if any(_called_name(getattr(decorator, "func", decorator)) in ("cache", "lru_cache")
+                   for decorator in node.decorator_list):
+                found.add(node.name)
+            continue
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        for name in (target.id for target in targets if isinstance(target, ast.Name)):
+            if isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)):
+                empty = not (getattr(value, "elts", None) or getattr(value, "keys", None)
+                             or isinstance(value, (ast.ListComp, ast.DictComp, ast.SetComp)))
+                if empty or not name.lstrip("_").isupper():
+                    found.add(name)
+            elif isinstance(value, ast.Call):
+                called = _called_name(value.func)
+                if called in STATE_FACTORIES or (called in package_classes and called not in DECLARATIONS):
+                    found.add(name)
+    return {name for name in found if not name.startswith("__")}
+
+
+def registered_names(tree: ast.Module) -> set[str]:
+    """The names a module registers with `keras_mwms.active.register(__name__, "name", ...)`."""
+    return {node.args[1].value for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and _called_name(node.func) == "register" and len(node.args) >= 2
+            and getattr(node.args[0], "id", "") == "__name__" and isinstance(node.args[1], ast.Constant)}
+
+
+def test_process_state_is_reset_by_close_or_says_why_it_lives_longer():
+    """Every piece of module-level state registers with `keras_mwms.active` (a strategy's
+    `close()` resets it whole; tests/test_user_scripts.py checks that it did) or is listed in
+    `PROCESS_LIFETIME` with the reason it outlives a strategy."""
+    trees = {module: ast.parse(path.read_text()) for module, path in module_files().items()}
+    package_classes = {node.name for tree in trees.values() for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+    found, registered = set(), set()
+    for module, tree in trees.items():
+        found |= {f"{module}.{name}" for name in module_state(tree, package_classes)}
+        registered |= {f"{module}.{name}" for name in registered_names(tree)}
+    unexplained = sorted(found - registered - set(PROCESS_LIFETIME))
+    assert unexplained == [], (
+        f"module-level state {unexplained} is neither reset by a strategy's close() nor explained: "
+        "register it next to its definition with keras_mwms.active.register(__name__, name, reset, "
+        "state), or list it in PROCESS_LIFETIME with the reason it lives as long as the process.")
+    assert sorted((registered | set(PROCESS_LIFETIME)) - found) == [], "stale: no such module-level state"
+
+
+def test_the_state_finder_finds_state_and_lets_constants_pass():
+    source = ("import threading\nCONSTANTS = {'a': 1}\n_cache = {}\n_seen = set()\n_local = threading.local()\n"
+              "WIRE = WireBytes()\nROW = Patch('x')\n_flag = False\n"
+              "def flip():\n    global _flag\n    _flag = True\n"
+              "@functools.cache\ndef twin(klass):\n    return klass\n"
+              "register(__name__, '_cache', _cache.clear, dict)\n")
+    tree = ast.parse(source)
+    assert module_state(tree, {"WireBytes", "Patch"}) == {"_cache", "_seen", "_local", "WIRE", "_flag", "twin"}
+    assert registered_names(tree) == {"_cache"}

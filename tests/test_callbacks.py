@@ -240,7 +240,7 @@ def test_keras_own_callbacks_are_made_worker_aware_and_share_the_users_state(mon
 
     mine = MyBackup("backup")
     assert worker_aware([mine]) == [mine], "one worker: a subclass stays Keras' own"
-    monkeypatch.setattr(active, "_strategy", _TwoWorkerStandIn())
+    monkeypatch.setattr(active, "_session", active.Session(_TwoWorkerStandIn(), None))
     with pytest.raises(ValueError, match="MyBackup subclasses keras.callbacks.BackupAndRestore.*"
                                          "keras_mwms.callbacks.BackupAndRestore"):
         worker_aware([mine])

@@ -20,7 +20,7 @@ import warnings
 import numpy as np
 import pytest
 
-from keras_mwms import WorkerLostError
+from keras_mwms import WorkerLostError, active
 from keras_mwms.backends import policy
 from keras_mwms.backends.base import Backend
 from keras_mwms.backends.patches import ANY_KERAS, Patch, PatchTable
@@ -220,11 +220,24 @@ def test_lost_worker_is_named_in_the_one_format():
 
 
 def test_patch_rows_install_and_close_restores():
-    backend = ThreadBackend(ThreadRoom(1), 0, 1)
-    backend.install_patches()
+    backend, strategy = ThreadBackend(ThreadRoom(1), 0, 1), object()
+    active.begin(strategy, backend, lambda session: session.install(backend.patch_table()))
     assert patched_internals.step("b") == "distributed step on b"
-    backend.close()
+    active.end(strategy)
     assert patched_internals.step("b") == "step on b"
+    assert active.active_backend() is None and active.changed_state() == []
+
+
+def test_a_strategy_that_fails_to_start_leaves_nothing_patched():
+    backend, strategy = ThreadBackend(ThreadRoom(1), 0, 1), object()
+
+    def setup(session):
+        session.install(backend.patch_table())
+        raise RuntimeError("the next table cannot be installed")
+
+    with pytest.raises(RuntimeError, match="cannot be installed"):
+        active.begin(strategy, backend, setup)
+    assert patched_internals.step("b") == "step on b" and active.active_strategy() is None
 
 
 def test_patch_signature_check_refuses_a_changed_target():

@@ -182,6 +182,22 @@ def test_one_worker_without_tf_config_is_plain_keras(runs, variant):
 
 
 @pytest.mark.slow
+def test_close_leaves_the_process_as_the_strategy_found_it(runs):
+    """After a fit interrupted mid-epoch and resumed by BackupAndRestore (the hang diagnostics on
+    with 2 workers), `close()` resets every piece of keras_mwms' process state and puts every
+    Keras attribute back (`check_lifecycle` in tests/workers/user_scripts.py); one worker then
+    starts a second strategy in the same process, which trains as the first did."""
+    for worker in (0, 1):
+        result = runs.result("lifecycle", worker)
+        assert result["after_close"] == [], (worker, result["after_close"])
+        assert result["first"]["resumed_epochs"] == 1 and "diagnostics" in result["first"]["tables"], result
+    single = runs.single("lifecycle")
+    assert single["after_close"] == [] and single["after_second_close"] == [], single
+    assert single["second"]["tables"] == single["first"]["tables"], single
+    np.testing.assert_allclose(single["second"]["loss"], single["first"]["loss"], rtol=1e-6)
+
+
+@pytest.mark.slow
 def test_predictions_and_evaluation_on_uneven_sizes_equal_plain_keras(runs):
     result, reference = runs.result("evaluate_predict_uneven", 1), runs.reference("evaluate_predict_uneven")
     _no_error(result, "worker 1")

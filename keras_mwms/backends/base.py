@@ -3,7 +3,8 @@
 The facade (`keras_mwms.strategy.MultiWorkerMirroredStrategy`) owns start-up order: it
 resolves the cluster, runs the rendezvous, then constructs the backend (handing it what it
 needs: the resolver, the options, the TF_CONFIG it saw) and calls `join()`, which starts the
-engine and installs the backend's `PatchTable`. `close()` undoes both.
+engine; then it installs the backend's `patch_table()` with every other table
+(`keras_mwms.active.Session`). `close()` uninstalls them and calls `leave()`.
 
 The **collective port** — `all_reduce` (sum/min/max of NumPy values), `all_gather`,
 `broadcast_object`, `broadcast_arrays`, `agreed_seed`, `barrier` — is what the shared policy
@@ -25,11 +26,9 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from keras_mwms import diagnostics
 from keras_mwms.backends import consistency, model_scope, policy
 from keras_mwms.backends.patches import PatchTable
 from keras_mwms.communication import CommunicationOptions
-from keras_mwms.diagnostics import patches as diagnostics_patches
 from keras_mwms.startup.cluster import TF_CONFIG_ENV, ClusterResolver
 
 REDUCE_OPS = ("sum", "min", "max")
@@ -54,7 +53,6 @@ class Backend(abc.ABC):
         self.resolver = resolver
         self.options = options
         self.tf_config_at_creation = tf_config_at_creation
-        self._patches: PatchTable | None = None
 
     # -- identity -------------------------------------------------------------------------
     @property
@@ -92,7 +90,8 @@ class Backend(abc.ABC):
         """Tears the engine down; safe to call twice."""
 
     def patch_table(self) -> PatchTable:
-        """This backend's private-Keras patches (none by default)."""
+        """This backend's private-Keras patches (none by default); the strategy installs them
+        with its other tables and uninstalls them at `close()`."""
         return PatchTable(self.name or type(self).__name__, [])
 
     @staticmethod
@@ -107,34 +106,6 @@ class Backend(abc.ABC):
         []
         """
         return PatchTable("crash repairs", [])
-
-    def install_patches(self) -> None:
-        """Installs `patch_table()` once (checked row by row before anything changes)."""
-        if self._patches is None:
-            self._patches = self.patch_table()
-        self._patches.install()
-        model_scope.PATCHES.install()
-        self.start_diagnostics()
-
-    def start_diagnostics(self) -> None:
-        """Times the input pipeline and starts the hang watchdog (`keras_mwms.diagnostics`)."""
-        if self.num_workers > 1 and diagnostics.LEDGER.enabled:
-            diagnostics_patches.PATCHES.install()
-            diagnostics.start(self, [policy.worker_label(self.resolver, rank)
-                                     for rank in range(self.num_workers)])
-
-    def uninstall_patches(self) -> None:
-        """Restores every Keras original this backend patched."""
-        if self._patches is not None:
-            self._patches.uninstall()
-        model_scope.PATCHES.uninstall()
-        diagnostics.stop()
-        diagnostics_patches.PATCHES.uninstall()
-
-    def close(self) -> None:
-        """Uninstalls the patches and leaves the engine; safe to call twice."""
-        self.uninstall_patches()
-        self.leave()
 
     def check_tf_config_unchanged(self, stacklevel: int = 3) -> None:
         """Warns when `TF_CONFIG` appeared or changed after the strategy was created."""

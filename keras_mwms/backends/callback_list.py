@@ -6,16 +6,17 @@ builds a `keras.callbacks.CallbackList` itself) hands the user's callbacks to
 While installed, the row `worker-aware-keras-callbacks` passes them first through the
 conversion the facade installed it with (`keras_mwms.callbacks.worker_aware.worker_aware`:
 Keras' own file-writing callbacks become keras_mwms' chief-aware ones), so the policy lives in
-one place instead of in each backend's `fit` wrapper. The strategy installs the row when it is
-created and `close()` removes it.
+one place instead of in each backend's `fit` wrapper. The strategy sets the conversion and
+installs the row when it is created (with its other tables, `keras_mwms.active.Session`), and
+`close()` removes both.
 
-Example (a stand-in conversion; the facade installs the real one):
+Example (a stand-in conversion; the facade sets the real one):
 
 >>> import keras
->>> install(lambda callbacks: [keras.callbacks.History()])
+>>> convert_with(lambda callbacks: [keras.callbacks.History()]); PATCHES.install()
 >>> [type(c).__name__ for c in keras.callbacks.CallbackList([keras.callbacks.EarlyStopping()]).callbacks]
 ['History']
->>> uninstall()
+>>> PATCHES.uninstall(); convert_with(None)
 >>> [type(c).__name__ for c in keras.callbacks.CallbackList([keras.callbacks.EarlyStopping()]).callbacks]
 ['EarlyStopping']
 """
@@ -26,24 +27,21 @@ import functools
 import inspect
 from collections.abc import Callable
 
+from keras_mwms import active
 from keras_mwms.backends.keras_api import targets
 from keras_mwms.backends.patches import Patch, PatchTable
 
 _conversion: Callable[[list], list] | None = None
 
 
-def install(conversion: Callable[[list], list]) -> None:
-    """Makes every `CallbackList` built from now on pass its callbacks through `conversion`."""
+def convert_with(conversion: Callable[[list], list] | None) -> None:
+    """While `PATCHES` is installed, every `CallbackList` built passes its callbacks through
+    `conversion` (None: unchanged)."""
     global _conversion
     _conversion = conversion
-    PATCHES.install()
 
 
-def uninstall() -> None:
-    """Restores Keras' `CallbackList.__init__`."""
-    global _conversion
-    PATCHES.uninstall()
-    _conversion = None
+active.register(__name__, "_conversion", reset=lambda: convert_with(None), state=lambda: _conversion)
 
 
 def _converting_init(original):

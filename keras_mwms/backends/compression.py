@@ -45,6 +45,8 @@ True
 
 from __future__ import annotations
 
+from keras_mwms import active
+
 WIRE_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 _SIGNIFICANT_BITS = {"bf16": 8, "fp16": 11}
 COMPRESSIBLE = ("float32", "float64")
@@ -116,3 +118,4 @@ class WireBytes:
 
 
 WIRE = WireBytes()
+active.register(__name__, "WIRE", reset=WIRE.reset, state=lambda: (WIRE.total, dict(WIRE.traced)))

@@ -31,6 +31,7 @@ from keras_mwms.backends.keras_api import targets
 from keras_mwms.backends.patches import ObjectState, Patch, PatchTable
 
 _MODELS = ObjectState()   # model -> backend (its scope's), created_outside (a strategy was active)
+active.register(__name__, "_MODELS", reset=_MODELS.clear, state=_MODELS.__len__)
 _OUTSIDE = "outside strategy.scope()"
 _BEFORE = "before keras_mwms.MultiWorkerMirroredStrategy() was created"
 

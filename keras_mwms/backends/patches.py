@@ -408,6 +408,24 @@ class PatchTable:
         raise ValueError(f"patch table {self.name!r} has no row {name!r}; its rows: "
                          f"{', '.join(row.name for row in self.rows)} (ARCHITECTURE.md lists them).")
 
+    def originals(self) -> list[tuple[Any, str, Any]]:
+        """What `uninstall()` puts back, in install order: `(owner, attribute, original)` with the
+        original as stored, or None where the owner only inherited it (the patch is then deleted).
+
+        Example:
+
+        >>> import types
+        >>> holder = types.SimpleNamespace(value=int)
+        >>> table = PatchTable("example", [Patch("zero", holder, lambda f: lambda: 0, "an example",
+        ...                                      attribute="value", keras_versions=ANY_KERAS)])
+        >>> table.install(); table.originals() == [(holder, "value", int)]
+        True
+        >>> table.uninstall(); table.originals()
+        []
+        """
+        return [(owner, attribute, None if raw is _INHERITED else raw)
+                for owner, attribute, raw in self._originals]
+
     def uninstall(self) -> None:
         """Restores every original, last patched first."""
         self._replaced.clear()
@@ -473,6 +491,10 @@ class ObjectState:
     (True, False)
     >>> del model; len(state)
     0
+    >>> state.of(Model).tagged = True; [vars(n) for n in state.namespaces()]
+    [{'tagged': True}]
+    >>> state.clear(); len(state)
+    0
     """
 
     def __init__(self):
@@ -495,6 +517,14 @@ class ObjectState:
         if entry is None or entry[0]() is not obj:
             return default
         return getattr(entry[1], name, default)
+
+    def namespaces(self) -> list[types.SimpleNamespace]:
+        """The state of every object still alive."""
+        return [namespace for reference, namespace in list(self._table.values()) if reference() is not None]
+
+    def clear(self) -> None:
+        """Forgets every object's state (a strategy's `close()`)."""
+        self._table.clear()
 
     def __len__(self) -> int:
         return len(self._table)

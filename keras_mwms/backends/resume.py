@@ -11,16 +11,30 @@ generators) and every worker advances identically — the data position maps to 
 which is what makes restoring with a different number of workers correct. An input that
 starts at the saved position itself (`keras_mwms.resume.resumable_inputs`' ordered stream) skips the
 numbering only (`pull=False`): nothing is read just to be discarded.
+
+A strategy installs `PATCHES` with its other tables and `close()` removes it; until a restore
+arms it, the patch passes every epoch through unchanged. Without a strategy (one plain
+process) there is no start-up to install it at, so arming it installs it, and the next
+strategy's `close()` removes it.
 """
 
 from __future__ import annotations
 
 import threading
 
+from keras_mwms import active
 from keras_mwms.backends.keras_api import targets
 from keras_mwms.backends.patches import Patch, PatchTable
 
-_pending = threading.local()
+
+class _Pending(threading.local):
+    """The skip the next training epoch of this thread takes (none by default)."""
+
+    steps = 0
+    pull = True
+
+
+_pending = _Pending()
 
 
 def skip_steps_in_next_training_epoch(steps: int, pull: bool = True) -> None:
@@ -41,9 +55,17 @@ def skip_steps_in_next_training_epoch(steps: int, pull: bool = True) -> None:
 
 
 def _take_pending() -> tuple[int, bool]:
-    steps, pull = getattr(_pending, "steps", 0), getattr(_pending, "pull", True)
+    steps, pull = _pending.steps, _pending.pull
     _pending.steps, _pending.pull = 0, True
     return steps, pull
+
+
+def _forget_pending() -> None:
+    global _pending
+    _pending = _Pending()
+
+
+active.register(__name__, "_pending", reset=_forget_pending, state=lambda: (_pending.steps, _pending.pull))
 
 
 def _skipping_enumerate_iterator(original):

@@ -11,8 +11,8 @@
 * `straggler` — per worker and epoch: seconds waiting for data, computing, waiting in
   collectives; the chief names a worker persistently slower than the median.
 
-`start(backend)` is called by `Backend.install_patches` once the engine joined; `stop()` by
-`Backend.close()`.
+`start(backend)` and `stop()` are a step of the strategy's start-up and `close()`
+(`keras_mwms.active.Session`), with the diagnostics' patch table (`patches.PATCHES`).
 
 Example:
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from keras_mwms import settings
+from keras_mwms import active, settings
 from keras_mwms.diagnostics import native
 from keras_mwms.diagnostics.ledger import LEDGER, Ledger
 from keras_mwms.diagnostics.watchdog import HANG_EXIT_CODE, Watchdog
@@ -86,6 +86,9 @@ def stop() -> None:
     if watchdog is not None:
         native.uninstall()
         watchdog.close()
+
+
+active.register(__name__, "_active", reset=stop, state=active_watchdog)
 
 
 def confirm_lost(where: str) -> None:

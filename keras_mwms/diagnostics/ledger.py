@@ -40,10 +40,9 @@ import collections
 import sys
 import threading
 import time
-import weakref
 from typing import NamedTuple
 
-from keras_mwms import settings
+from keras_mwms import active, settings
 
 LEDGER_ENV = settings.LEDGER.name
 PHASES = ("idle", "data", "forward-backward", "all-reduce", "apply", "callback")
@@ -185,7 +184,21 @@ class Ledger:
 
     def __init__(self, capacity: int = 64, enabled: bool | None = None):
         self.enabled = enabled_by_environment() if enabled is None else enabled
-        self.entries: collections.deque[Entry] = collections.deque(maxlen=capacity)
+        self.capacity = capacity
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets every count, entry and time (`enabled` stays): a new strategy starts at 0.
+
+        Example:
+
+        >>> ledger = Ledger()
+        >>> with ledger.collective("barrier"):
+        ...     pass
+        >>> ledger.reset(); ledger.state() == Ledger().state()
+        True
+        """
+        self.entries: collections.deque[Entry] = collections.deque(maxlen=self.capacity)
         self.sequence = 0
         self.step = 0
         self.phase = "idle"
@@ -201,6 +214,12 @@ class Ledger:
         self.kinds: collections.Counter[str] = collections.Counter()   # collectives left, by kind
         self._depth = 0
         self._step_excluded = 0.0
+
+    def state(self) -> tuple:
+        """The counters, phase and entries as plain data (equal for two fresh ledgers)."""
+        return (self.sequence, self.step, self.phase, self.in_step, self.current, self.call,
+                self.open_calls, self.data_batch, self.data_since, self.data_thread,
+                tuple(self.entries), dict(self.totals), dict(self.kinds), self._depth, self._step_excluded)
 
     def collective(self, kind: str, nbytes: int = 0) -> _Collective:
         """`with ledger.collective(kind, nbytes):` around one collective; nested ones count once."""
@@ -261,7 +280,20 @@ class Ledger:
 
 
 LEDGER = Ledger()
-_COUNTED: weakref.WeakSet = weakref.WeakSet()   # train functions already wrapped
+active.register(__name__, "LEDGER", reset=LEDGER.reset, state=LEDGER.state)
+
+
+class _Counted:
+    """A compiled train step counted as one in-graph ledger entry per call."""
+
+    __slots__ = ("function", "ledger")
+
+    def __init__(self, function, ledger: Ledger):
+        self.function, self.ledger = function, ledger
+
+    def __call__(self, *args, **kwargs):
+        with self.ledger.train_step(in_graph=True):
+            return self.function(*args, **kwargs)
 
 
 def counted_in_graph(function, ledger: Ledger | None = None):
@@ -274,13 +306,6 @@ def counted_in_graph(function, ledger: Ledger | None = None):
     >>> step(), counted_in_graph(step, ledger) is step, ledger.last_entries()[0].kind
     ('logs', True, 'train step (in-graph collectives)')
     """
-    if function is None or function in _COUNTED:
+    if function is None or isinstance(function, _Counted):
         return function
-    ledger = LEDGER if ledger is None else ledger
-
-    def counted(*args, **kwargs):
-        with ledger.train_step(in_graph=True):
-            return function(*args, **kwargs)
-
-    _COUNTED.add(counted)
-    return counted
+    return _Counted(function, LEDGER if ledger is None else ledger)

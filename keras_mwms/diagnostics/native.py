@@ -21,6 +21,8 @@ import ctypes
 import os
 from collections.abc import Callable
 
+from keras_mwms import active
+
 _HANDLER = ctypes.CFUNCTYPE(None)
 _SET_TERMINATE = "_ZSt13set_terminatePFvvE"   # std::set_terminate(void (*)())
 _installed: dict = {}
@@ -65,3 +67,6 @@ def uninstall() -> None:
         if set_terminate is not None:
             set_terminate(_installed.get("previous"))
         _installed.clear()
+
+
+active.register(__name__, "_installed", reset=uninstall, state=lambda: "callback" in _installed)

@@ -1,7 +1,8 @@
 """The diagnostics' Keras patches, one table: batch timing, the epoch-end straggler report and
 the fit/evaluate loops still open (`open_calls`).
 
-Installed with the hang watchdog when a job has several workers (`Backend.start_diagnostics`).
+Installed with the hang watchdog when a job has several workers, by the strategy's start-up
+(`MultiWorkerMirroredStrategy._patch`); `close()` removes it.
 
 Example:
 

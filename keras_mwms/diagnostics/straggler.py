@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from keras_mwms import settings
+from keras_mwms import active, settings
 from keras_mwms.backends.keras_api import targets
 from keras_mwms.backends.patches import Patch
 from keras_mwms.diagnostics.ledger import LEDGER
@@ -51,7 +51,9 @@ KEYS = ("data", "compute", "collective", "steps", "in_graph_steps")
 REPORT_ENV = settings.REPORT.name
 PRINT_MIN_SECONDS = 0.5
 
-_state: dict[str, Any] = {"epochs": 0, "previous": None, "last": None}
+_PRISTINE = {"epochs": 0, "previous": None, "last": None}
+_state: dict[str, Any] = dict(_PRISTINE)   # epochs reported, the ledger totals at the last one, its report
+active.register(__name__, "_state", reset=lambda: _state.update(_PRISTINE), state=lambda: dict(_state))
 
 
 def stragglers(times: dict[int, dict]) -> list[int]:

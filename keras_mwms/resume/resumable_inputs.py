@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from keras_mwms import active
 from keras_mwms.backends.keras_api import internals
 from keras_mwms.resume.data_order import DataOrder, draw_seed
 
@@ -151,6 +152,14 @@ class FitInput:
 
 
 _active: FitInput | None = None
+
+
+def _forget_fit_input() -> None:
+    global _active
+    _active = None
+
+
+active.register(__name__, "_active", reset=_forget_fit_input, state=lambda: _active)
 
 
 def active_for(model: Any) -> FitInput | None:

@@ -112,3 +112,54 @@ def max_weight_difference(a: list, b: list) -> float:
     if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
         return float("inf")
     return max((float(np.abs(x - y).max()) for x, y in zip(a, b) if x.size), default=0.0)
+
+
+# -- the strategy's lifecycle: close() leaves the process as the strategy found it ----------
+
+def _stored(owner, attribute):
+    """An attribute as stored (looked up along the MRO for a class), None where it is missing."""
+    if isinstance(owner, type):
+        return next((vars(klass)[attribute] for klass in owner.__mro__ if attribute in vars(klass)), None)
+    return getattr(owner, attribute, None)
+
+
+def keras_internals() -> dict:
+    """Every private Keras attribute this backend patches or calls (`keras_api.targets`), as
+    stored now: taken before the strategy, compared after `close()`."""
+    import keras
+
+    from keras_mwms.backends.keras_api import targets
+
+    found = {}
+    for target in targets.ALL:
+        if keras.backend.backend() in target.needed_by and target.exists():
+            found[str(target)] = _stored(*target.resolve())
+    return found
+
+
+def patches_installed() -> list:
+    """`(owner, attribute, original)` of every patch the open strategy installed (all its tables)."""
+    from keras_mwms import active
+
+    return [row for table in active.current_session().tables for row in table.originals()]
+
+
+def lifecycle_problems(internals_before: dict, installed: list) -> list[str]:
+    """After `close()`: what is not as before the strategy (empty when all is).
+
+    Every state holder registered with `keras_mwms.active` back at its pristine state, no
+    session open, every Keras attribute a table patched back to its original, every private
+    Keras attribute as it was before the strategy.
+    """
+    from keras_mwms import active
+
+    problems = [f"process state {name} was not reset" for name in active.changed_state()]
+    if active.current_session() is not None:
+        problems.append("a session is still open")
+    for owner, attribute, original in installed:
+        own = vars(owner).get(attribute) if isinstance(owner, type) else getattr(owner, attribute, None)
+        if own is not original:
+            problems.append(f"{getattr(owner, '__name__', owner)}.{attribute} is still patched")
+    now = keras_internals()
+    problems += [f"{name} changed" for name, stored in internals_before.items() if now.get(name) is not stored]
+    return problems

@@ -41,6 +41,7 @@ if arguments.plain:
 else:
     import keras_mwms
 
+    KERAS_BEFORE_THE_STRATEGY = common.keras_internals()   # for check_lifecycle()
     # First, before any TensorFlow operation (TF can only configure collectives before).
     strategy = keras_mwms.MultiWorkerMirroredStrategy()
 
@@ -759,6 +760,54 @@ def run_variant(name: str) -> None:
     common.log(f"variant {name} done")
 
 
+class _InterruptMidEpoch(keras.callbacks.Callback):
+    """Keras' BackupAndRestore docstring's interruption, in the second epoch's fourth step."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.epoch == 1 and batch == 3:
+            raise RuntimeError("Interrupting!")
+
+
+def interrupted_and_resumed_fit(owner, name: str) -> dict:
+    """A fit backed up every 2 steps, interrupted mid-epoch and resumed: every per-strategy
+    piece of state is used (resume's pending skip, the ledger, the wire counts, the tables)."""
+    keras.utils.set_random_seed(SEED)
+    x, y = regression()
+    with owner.scope():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    backup = keras.callbacks.BackupAndRestore(os.path.join(arguments.out, "lifecycle", name), save_freq=2)
+    with contextlib.suppress(RuntimeError):
+        fit_arrays(model, x, y, callbacks=[backup, _InterruptMidEpoch()])
+    history = fit_arrays(model, x, y, callbacks=[backup])
+    from keras_mwms import active
+
+    return {"resumed_epochs": len(history["loss"]), "loss": history["loss"],
+            "tables": [table.name for table in active.current_session().tables]}
+
+
+def check_lifecycle() -> None:
+    """`close()` leaves the process as the strategy found it (`keras_mwms.active`); one worker
+    then starts a second strategy in the same process, a notebook's pattern, and closes it too.
+    Dumped to OUT/lifecycle/w<index>.json (tests/test_user_scripts.py); skipped with --only."""
+    results = {"first": interrupted_and_resumed_fit(strategy, "first")}
+    installed = common.patches_installed()
+    strategy.close()
+    results["after_close"] = common.lifecycle_problems(KERAS_BEFORE_THE_STRATEGY, installed)
+    if strategy.num_workers == 1:
+        again = keras_mwms.MultiWorkerMirroredStrategy()
+        results["second"] = interrupted_and_resumed_fit(again, "second")
+        installed = common.patches_installed()
+        again.close()
+        results["after_second_close"] = common.lifecycle_problems(KERAS_BEFORE_THE_STRATEGY, installed)
+    common.save_result(os.path.join(arguments.out, "lifecycle"), INDEX, **results)
+
+
 for variant_name in (arguments.only.split(",") if arguments.only else VARIANTS):
     run_variant(variant_name)
+if strategy is not None and not arguments.only:
+    check_lifecycle()
 common.log("all variants done")

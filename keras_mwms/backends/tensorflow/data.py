@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from keras_mwms import active
 from keras_mwms.backends.keras_api import attributes, internals
 from keras_mwms.backends.patches import ObjectState
 from keras_mwms.data import replica_slices
@@ -260,6 +261,7 @@ def copied_in_graph(dataset: Any) -> Any:
 # -- A PyDataset read by batch index ---------------------------------------------------------
 
 _PY_DATASETS = ObjectState()
+active.register(__name__, "_PY_DATASETS", reset=_PY_DATASETS.clear, state=_PY_DATASETS.__len__)
 
 
 def read_pydataset_by_index(arguments: dict) -> None:

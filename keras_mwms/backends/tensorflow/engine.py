@@ -16,8 +16,10 @@ run. What TF lacks, and what this module adds, is
   `broadcast_object`, `barrier`) as tiny TF collectives.
 
 TF collectives cannot be torn down inside a process, so `leave()` does nothing: `close()`
-uninstalls the Keras patches, and the process can go on with plain Keras (not with a second
-multi-worker strategy).
+uninstalls the Keras patches, and the process can go on with plain Keras, or a single-worker
+strategy (not with a second multi-worker strategy). A strategy created while another is open
+ends that one's patches first (`keras_mwms.active.begin`), so Keras' methods are never wrapped
+twice.
 
 Example:
 
@@ -34,7 +36,6 @@ from typing import Any
 
 import numpy as np
 
-from keras_mwms import active
 from keras_mwms.backends import policy
 from keras_mwms.backends.base import Backend
 from keras_mwms.backends.keras_api import attributes
@@ -198,16 +199,6 @@ class TensorFlowBackend(Backend):
     def crash_repairs() -> PatchTable:
         """Keras 3.15.1's two crashes under `tf.distribute.MultiWorkerMirroredStrategy` repaired."""
         return patches.crash_repairs()
-
-    def install_patches(self) -> None:
-        """Installs this backend's table; a previous, unclosed TF strategy's table goes first.
-
-        Two tables would wrap the same Keras methods twice (every fit prepared twice).
-        """
-        previous = active.active_backend()
-        if isinstance(previous, TensorFlowBackend) and previous is not self:
-            previous.uninstall_patches()
-        super().install_patches()
 
     @property
     def replicas_per_worker(self) -> int:

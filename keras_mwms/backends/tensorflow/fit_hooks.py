@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from keras_mwms import active
 from keras_mwms.backends import fit_call
 from keras_mwms.backends.keras_api import attributes
 from keras_mwms.backends.patches import ObjectState
@@ -43,6 +44,8 @@ from keras_mwms.backends.tensorflow import data
 from keras_mwms.resume import resumable_inputs
 
 _local_predict_functions = ObjectState()   # model -> its predict function without the strategy
+active.register(__name__, "_local_predict_functions", reset=_local_predict_functions.clear,
+                state=_local_predict_functions.__len__)
 
 
 class TensorFlowFitHooks(fit_call.FitHooks):

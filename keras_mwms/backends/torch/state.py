@@ -28,10 +28,24 @@ from __future__ import annotations
 
 from typing import Any
 
+from keras_mwms import active
 from keras_mwms.backends import model_scope
 from keras_mwms.backends.patches import ObjectState
 
 STATE = ObjectState()
+
+
+def _close_and_forget() -> None:
+    """A strategy's `close()`: every model's gradient hooks removed (they hold its engine), then
+    every object's state forgotten."""
+    for namespace in STATE.namespaces():
+        overlap = getattr(namespace, "overlap", None)
+        if overlap is not None:
+            overlap.close()
+    STATE.clear()
+
+
+active.register(__name__, "STATE", reset=_close_and_forget, state=STATE.__len__)
 
 
 def backend_of(model: Any) -> Any:
