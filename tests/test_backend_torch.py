@@ -264,7 +264,7 @@ JIT_GRAPH_BREAK_REASONS = ["Data dependent operator", "Skip calling `torch.compi
 
 @pytest.mark.slow
 def test_compiled_step_graph_breaks_cannot_return(sgd_arrays, two_workers_dir, reference_dir):
-    """`keras_mwms.backends.torch.graph_breaks`: no new graph break in the compiled step."""
+    """`keras_mwms.benchmark.graph_breaks`: no new graph break in the compiled step."""
     jit = Scenario(two_workers_dir, reference_dir, "jit", 2)
     for index in range(2):
         result = jit.result(index)

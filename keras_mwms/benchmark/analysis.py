@@ -21,7 +21,7 @@ Definitions (also printed under the tables):
   worker's own compute. Compared with the raw all-reduce time of the gradient bytes on the same
   engine (the "gradients:<model>" all-reduce row).
 * graph breaks (torch.compile'd variants): TorchDynamo's graph breaks during the fit, the
-  most of the repeats (`keras_mwms.backends.torch.graph_breaks`); 0: the step compiles whole.
+  most of the repeats (`keras_mwms.benchmark.graph_breaks`); 0: the step compiles whole.
 * start-up: from the driver launching the worker process to the end of its first training step
   (imports, cluster join, build, compile, trace, one step); only for the first variant of a
   process — variants sharing a process report their own set-up-to-first-step time instead.

@@ -2,7 +2,7 @@
 
 | variant                        | what it is                                                         |
 |--------------------------------|--------------------------------------------------------------------|
-| `keras_mwms jit_compile`       | keras_mwms' `fit` with `compile(jit_compile=True)`: Keras' torch.compile'd step, the gradient all-reduce after backward, outside the graph (its graph breaks are counted: `keras_mwms.backends.torch.graph_breaks`) |
+| `keras_mwms jit_compile`       | keras_mwms' `fit` with `compile(jit_compile=True)`: Keras' torch.compile'd step, the gradient all-reduce after backward, outside the graph (its graph breaks are counted: `keras_mwms.benchmark.graph_breaks`) |
 | `torch DDP + torch.compile`    | the hand-written DDP loop (`peers.torch_ddp_fit`) on `torch.compile(DDP(model))`: DDP's own compiled path (DDPOptimizer splits the graph at the buckets) |
 | `plain Keras`                  | one process only: Keras' own `fit`, outside any strategy — the baseline of keras_mwms' one-process ratio |
 | `keras-nightly DataParallel`   | N workers: keras-nightly's torch trainer (it wraps the model in DDP when `torch.distributed` is up and all-reduces each metric variable per step), each worker fitting its shard; a gang of its own (role `keras_nightly`) over the overlay `make keras-nightly` installs |
@@ -68,7 +68,7 @@ def keras_mwms_jit_fit(strategy, config: BenchmarkConfig, model_name: str, repea
     """keras_mwms' `fit` of the global arrays with `jit_compile=True` (torch.compile'd step)."""
     import keras
 
-    from keras_mwms.backends.torch.graph_breaks import GraphBreaks
+    from keras_mwms.benchmark.graph_breaks import GraphBreaks
 
     def build():
         with strategy.scope():
@@ -100,7 +100,7 @@ def plain_keras_fit(config: BenchmarkConfig, model_name: str, repeat: int, x, y)
 def torch_ddp_compiled_fit(strategy, config: BenchmarkConfig, model_name: str, repeat: int, x, y
                            ) -> FitTiming:
     """`peers.torch_ddp_fit`'s loop on `torch.compile` of the DDP-wrapped model (of the model alone)."""
-    from keras_mwms.backends.torch.graph_breaks import GraphBreaks
+    from keras_mwms.benchmark.graph_breaks import GraphBreaks
 
     with GraphBreaks() as breaks:
         timing = peers.torch_ddp_fit(strategy, config, model_name, repeat, x, y, compiled=True)

@@ -250,7 +250,7 @@ def graph_breaks():
 
     if keras.backend.backend() != "torch":
         return contextlib.nullcontext()
-    from keras_mwms.backends.torch.graph_breaks import GraphBreaks
+    from keras_mwms.benchmark.graph_breaks import GraphBreaks
 
     return GraphBreaks()
 

@@ -16,7 +16,6 @@ Keras 3.15.1 has no multi-process support on torch, so this adapter supplies all
 | `overlap` | gradient all-reduces started during `backward()` |
 | `fused_adam` | Keras' Adam update without temporaries, bit for bit |
 | `state` | keras_mwms' state of Keras models and optimizers |
-| `graph_breaks` | TorchDynamo's graph breaks of a `jit_compile=True` step, counted |
 
 Example:
 
