@@ -7,9 +7,10 @@ rows (0: an empty shard, stepping on a zero-weight dummy row), the weight its lo
 multiplied by, and the global rows a `LossScaleOptimizer`'s unit is taken from.
 
 The torch engine owns one (`TorchEngine.rows`); only its step (`backends/torch/step.py`)
-begins a step, a fit, or weighs the loss; the gradient all-reduce takes the loss weight
-(`take_loss_weight`), so a second `optimizer.apply` in the same custom step sees an
-unweighted loss, as it is (`tests/test_architecture.py` keeps it so). TensorFlow and JAX
+begins a step, a fit, or weighs the loss (`tests/test_architecture.py` keeps it so); the
+gradient all-reduce reads it and takes the loss weight (`take_loss_weight`), so a second
+`optimizer.apply` in the same custom step, whose loss skipped `scale_loss`, is weighted by the
+rows there instead. TensorFlow and JAX
 count rows inside their traced steps (`tf.function`, `jax.jit`), where the numbers are
 symbolic tensors of the step itself, not Python values between steps, so they pass them
 through their step functions instead.
