@@ -647,3 +647,40 @@ def test_the_state_finder_finds_state_and_lets_constants_pass():
     tree = ast.parse(source)
     assert module_state(tree, {"WireBytes", "Patch"}) == {"_cache", "_seen", "_local", "WIRE", "_flag", "twin"}
     assert registered_names(tree) == {"_cache"}
+
+
+# `StepRows`' writers: only the torch step begins a step's rows, a fit's, or weighs the loss;
+# the gradient all-reduce only reads it and takes the weight (`keras_mwms.backends.rows`).
+STEP_ROWS_WRITERS = ("begin", "begin_fit", "weigh_loss")
+
+
+def step_rows_writes(torch_package: Path) -> list[str]:
+    """Where a torch module other than step.py writes this step's rows: calls `X.rows.begin*(`
+    or `X.rows.weigh_loss(`, or assigns an attribute of `X.rows` (`backend.rows.local = 3`)."""
+    found = []
+    for path in sorted(torch_package.glob("*.py")):
+        if path.name == "step.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            written = [target.value for target in targets if isinstance(target, ast.Attribute)]
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in STEP_ROWS_WRITERS:
+                written.append(node.func.value)
+            if any(isinstance(value, ast.Attribute) and value.attr == "rows" for value in written):
+                found.append(f"{path.name}:{node.lineno}")
+    return found
+
+
+def test_only_the_torch_step_writes_this_steps_rows():
+    assert step_rows_writes(PACKAGE / "backends" / "torch") == [], \
+        "begin or weigh StepRows in backends/torch/step.py; elsewhere read it (take_loss_weight)"
+
+
+def test_the_step_rows_finder_finds_writes(tmp_path):
+    (tmp_path / "gradients.py").write_text(
+        "backend.rows.local = 0\nbackend.rows.weigh_loss(False, sum)\nrows = backend.rows.local\n"
+        "backend.rows.take_loss_weight()\n")
+    (tmp_path / "step.py").write_text("backend.rows.begin(3)\n")
+    assert step_rows_writes(tmp_path) == ["gradients.py:1", "gradients.py:2"]

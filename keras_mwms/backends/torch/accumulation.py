@@ -67,11 +67,11 @@ def accumulate(backend: TorchEngine, optimizer: Any, steps: int, grads: list, va
     metric states, already updated) are summed in the same small all-reduce as the row count and
     handed to `on_riders`, so the batch logs need no collective of their own.
     """
-    rows = float(backend.step_rows)
+    rows = float(backend.rows.local)
     has_rows = rows > 0
-    row_scale = 1.0 if backend.loss_weight is not None else rows
-    weight = backend.loss_weight if backend.loss_weight is not None else rows
-    backend.loss_weight = None
+    loss_weight = backend.rows.take_loss_weight()
+    row_scale = 1.0 if loss_weight is not None else rows
+    weight = loss_weight if loss_weight is not None else rows
     present = [grad for grad in grads if grad is not None]
     reference = present[0] if present else torch.zeros(())
     small = [variable.value.data * rows if has_rows else torch.zeros_like(variable.value.data)

@@ -36,6 +36,7 @@ from keras_mwms import devices
 from keras_mwms.backends import policy
 from keras_mwms.backends.base import Backend
 from keras_mwms.backends.faults import bounded
+from keras_mwms.backends.rows import StepRows
 from keras_mwms.backends.torch import faults
 from keras_mwms.communication import CommunicationImplementation, CommunicationOptions
 from keras_mwms.diagnostics import LEDGER
@@ -120,15 +121,11 @@ class TorchEngine(Backend):
         # not started again, and left for its owner to destroy.
         self._owns_process_group = False
         self._tcp_store: dist.TCPStore | None = None   # the store of a process group we started
-        # Rows of this worker's shard in the current training step (set by the train function)
-        # and the weight its loss was multiplied by (set by the optimizer's scale_loss: the
-        # rows, or rows / `loss_rows_unit` under a LossScaleOptimizer; None: not weighted).
-        self.step_rows = 1
+        # This step's rows and loss weight: begun and weighed by `step` alone (`StepRows`).
+        self.rows = StepRows()
         # Inside the distributed train step of a model created in the scope: an ordinary
         # BatchNormalization then computes global moments (`policy.global_batch_norm_moments`).
         self.in_train_step = False
-        self.loss_weight: float | None = None
-        self.loss_rows_unit: float | None = None
         # This worker's GPU (or none): decided now, so a worker that cannot tell which GPU is
         # its own fails before the rendezvous.
         self.gpu_assignment = devices.gpu_assignment("torch", self.num_workers)

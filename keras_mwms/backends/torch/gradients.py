@@ -1,6 +1,7 @@
 """Global-batch gradients and BatchNormalization statistics on torch.
 
-Each training step scales the loss by the worker's row count (`loss_weight`) and, in `optimizer.apply`,
+Each training step scales the loss by the worker's row count (`StepRows.loss_weight`, weighed in
+`step.weighted_loss`) and, in `optimizer.apply`,
 all-reduces the gradients, the row count and unsynchronized BatchNormalization moving
 statistics in one bucketed flat all-reduce, then divides by the global row count
 (`average_gradients`): the exact global-batch gradient even for uneven or empty shards, seen
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from keras_mwms.backends import policy
@@ -59,7 +59,8 @@ class StepExtras:
     def __call__(self) -> list[torch.Tensor]:
         rows = float(self.rows)
         has_rows = rows > 0
-        weight = self.backend.loss_weight if self.backend.loss_weight is not None else float(has_rows)
+        loss_weight = self.backend.rows.loss_weight
+        weight = loss_weight if loss_weight is not None else float(has_rows)
         tensors = [variable.value.data * rows if has_rows else torch.zeros_like(variable.value.data)
                    for variable in self.statistics]
         tensors.append(torch.tensor([weight, rows], dtype=self.dtype))
@@ -103,19 +104,6 @@ def unsynchronized_batch_norm_statistics(model, backend: TorchEngine) -> list:
     return statistics
 
 
-def loss_weight(backend: TorchEngine, optimizer) -> float:
-    """The factor a worker's mean loss is multiplied by: its rows (÷ K under loss scaling)."""
-    from keras.optimizers import LossScaleOptimizer
-
-    rows = float(backend.step_rows)
-    if not isinstance(optimizer, LossScaleOptimizer):
-        return rows
-    if backend.loss_rows_unit is None:
-        total = float(backend.all_reduce(np.array([rows], np.float64), "sum")[0])
-        backend.loss_rows_unit = total or 1.0
-    return rows / backend.loss_rows_unit
-
-
 @torch._dynamo.disable
 @torch.no_grad()
 def average_gradients(backend: TorchEngine, model, grads: list, variables=None) -> list:
@@ -138,7 +126,7 @@ def average_gradients(backend: TorchEngine, model, grads: list, variables=None) 
 def averaged_over_workers(backend: TorchEngine, model, grads: list, variables=None) -> list:
     """Global-batch gradients: Σ_w (rows_w · grad_w) / Σ_w rows_w, in bucketed all-reduces.
 
-    The loss was already multiplied by this worker's `loss_weight` (`scale_loss`); a custom
+    The loss was already multiplied by this worker's loss weight (`scale_loss`); a custom
     `train_step` that skips `scale_loss` (Keras' guides do) computed the mean loss of its
     shard, so its gradients are multiplied by the rows here: the same global-batch gradient,
     also when workers hold different numbers of rows. Unsynchronized BatchNormalization moving
@@ -146,16 +134,17 @@ def averaged_over_workers(backend: TorchEngine, model, grads: list, variables=No
     were already being reduced during backward (`keras_mwms.backends.torch.overlap`), only the
     statistics and the row counts are left to reduce here.
     """
-    has_rows = backend.step_rows > 0
-    rows = float(backend.step_rows)
-    weight = backend.loss_weight if backend.loss_weight is not None else float(has_rows)
+    step_rows = backend.rows
+    has_rows = step_rows.has_rows
+    rows = float(step_rows.local)
+    weight = step_rows.loss_weight if step_rows.loss_weight is not None else float(has_rows)
     statistics = unsynchronized_batch_norm_statistics(model, backend)
     reducer = STATE.get(model, "overlap")
     if reducer is not None and reducer.armed:
         # Always finish: its collectives are in flight on every worker.
         step_extras = reducer.extras
         summed, reduced_extras = reducer.finish()
-        backend.loss_weight = None
+        step_rows.take_loss_weight()
         if variables is not None and reducer.covers(list(variables)):
             if isinstance(step_extras, StepExtras):
                 total_weight = step_extras.consume(reduced_extras)
@@ -168,9 +157,9 @@ def averaged_over_workers(backend: TorchEngine, model, grads: list, variables=No
         return accumulation.accumulate(backend, model.optimizer, steps, grads, variables, statistics,
                                        reduce_gradients, riders, on_riders)
     # A custom step's gradients are those of its shard's mean loss: weight them by the rows.
-    row_scale = 1.0 if backend.loss_weight is not None else rows
-    weight = backend.loss_weight if backend.loss_weight is not None else rows
-    backend.loss_weight = None
+    loss_weight = step_rows.take_loss_weight()
+    row_scale = 1.0 if loss_weight is not None else rows
+    weight = loss_weight if loss_weight is not None else rows
     present = [i for i, grad in enumerate(grads) if grad is not None]
     payload = []
     for i in present:
@@ -270,12 +259,13 @@ def _wire_bytes(backend: TorchEngine, tensor: torch.Tensor) -> int:
 def synchronized_moments(backend: TorchEngine, inputs, axes):
     """Mean and variance over `axes` of the global batch (all workers), as `ops.moments`.
 
-    A worker with an empty shard (`backend.step_rows == 0`, a dummy row) contributes nothing.
+    A worker with an empty shard (`backend.rows.local == 0`, a dummy row) contributes nothing.
 
     Example (one process: the local moments):
 
     >>> from types import SimpleNamespace as Object
-    >>> mean, variance = synchronized_moments(Object(distributed=False, step_rows=2),
+    >>> from keras_mwms.backends.rows import StepRows
+    >>> mean, variance = synchronized_moments(Object(distributed=False, rows=StepRows(2)),
     ...                                       torch.tensor([[1.0], [3.0]]), (0,))
     >>> mean.tolist(), variance.tolist()
     ([2.0], [1.0])
@@ -283,7 +273,7 @@ def synchronized_moments(backend: TorchEngine, inputs, axes):
     x = torch.as_tensor(inputs)
     compute_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     x = x.to(compute_dtype)
-    weight = 1.0 if backend.step_rows > 0 else 0.0
+    weight = 1.0 if backend.rows.has_rows else 0.0
     count = 1
     for axis in axes:
         count *= x.shape[axis]

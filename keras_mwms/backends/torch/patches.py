@@ -161,8 +161,7 @@ def _loss_weighted_by_rows(original: Callable) -> Callable:
         backend = backend_of(model) if model is not None else None
         if backend is None or not backend.distributed:
             return loss
-        backend.loss_weight = gradients.loss_weight(backend, self)
-        return loss * backend.loss_weight
+        return step.weighted_loss(backend, self, loss)
 
     return scale_loss
 

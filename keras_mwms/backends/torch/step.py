@@ -45,7 +45,7 @@ def prepare_fit(model, backend: TorchEngine) -> None:
     accumulation.settle_window(backend, optimizer, lambda: broadcast_state(model, backend))
     # Layers may have changed since the last fit (trainable flags): re-collect.
     STATE.of(model).batch_norm_statistics = None
-    backend.loss_rows_unit = None     # a LossScaleOptimizer's unit: this fit's first global rows
+    backend.rows.begin_fit()     # a LossScaleOptimizer's unit: this fit's first global rows
 
 
 def prepare_evaluate(model, backend: TorchEngine) -> None:
@@ -74,6 +74,17 @@ def step_rows(batch) -> int:
     5
     """
     return policy.rows_of(batch[0] if isinstance(batch, (tuple, list)) else batch)
+
+
+def weighted_loss(backend: TorchEngine, optimizer, loss):
+    """`loss` times this worker's rows (÷ K under a LossScaleOptimizer), the weight recorded
+    for the gradient all-reduce (`StepRows.weigh_loss`, `gradients.averaged_over_workers`)."""
+    from keras.optimizers import LossScaleOptimizer
+
+    def global_sum(rows: float) -> float:
+        return float(backend.all_reduce(np.array([rows], np.float64), "sum")[0])
+
+    return loss * backend.rows.weigh_loss(isinstance(optimizer, LossScaleOptimizer), global_sum)
 
 
 def dummy_row(batch) -> Any:
@@ -209,7 +220,7 @@ def _distributed_train_function(model, backend: TorchEngine, train_function):
     def train_on(data):
         batch = data[0]
         rows = step_rows(batch)
-        backend.step_rows = rows
+        backend.rows.begin(rows)
         STATE.of(model).step_metric_sums = None
         reducer = None
         metrics_first = False
