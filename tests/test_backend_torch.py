@@ -233,7 +233,7 @@ def test_dropout_workers_bit_identical(dropout):
 @pytest.mark.slow
 def test_jit_compile_workers_bit_identical_and_equal_to_eager_one_process(two_workers_dir,
                                                                           reference_dir):
-    """`compile(jit_compile=True)`: torch.compile'd steps, collectives left outside the graph."""
+    """`compile(jit_compile=True)`: torch.compile'd steps, the gradient all-reduce in their graph."""
     scenario = Scenario(two_workers_dir, reference_dir, "jit", 2)
     _assert_bit_identical(scenario)
     eager = common.load_weights(os.path.join(reference_dir, "jit_eager"), 0)
@@ -252,14 +252,13 @@ def test_gradients_reduce_during_backward_in_eager_gangs_only(sgd_arrays, two_wo
     assert jit.result(0)["overlap_buckets"] == 0                   # torch.compile'd step: after it
 
 
-# TorchDynamo's graph breaks in the "jit" scenario's fit (torch 2.13, Keras 3.15.1, SGD), 8 events
-# (a site counts again each time its frame is traced): Keras' `loss.backward()`, keras_mwms'
-# eager gradient all-reduce in `optimizer.apply`, and Keras' torch SGD update
-# (`_foreach_add_(..., alpha=-learning_rate)` reads a tensor as a number). With Adam (the
-# benchmark's MLP) the first two only, 5 events. Fewer is progress: lower the numbers.
-JIT_GRAPH_BREAKS = 8
-JIT_GRAPH_BREAK_REASONS = ["Data dependent operator", "Skip calling `torch.compiler.disable()`d function",
-                           "Unsupported Tensor.backward() call"]
+# TorchDynamo's graph breaks in the "jit" scenario's fit (torch 2.13, Keras 3.15.1, SGD), 9 events
+# (a site counts again each time its frame is traced): Keras' `loss.backward()` and Keras' torch
+# SGD update (`_foreach_add_(..., alpha=-learning_rate)` reads a tensor as a number, inside
+# Keras' `name_scope`, so that frame's rest runs eagerly). The gradient all-reduce is in the graph
+# (`gradients.averaged_in_graph`); it was a third reason (8 events then). Lower the numbers.
+JIT_GRAPH_BREAKS = 9
+JIT_GRAPH_BREAK_REASONS = ["Data dependent operator", "Unsupported Tensor.backward() call"]
 
 
 @pytest.mark.slow

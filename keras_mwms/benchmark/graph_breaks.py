@@ -13,14 +13,18 @@ Where keras_mwms' compiled step breaks today (torch 2.13, Keras 3.15.1):
   `torch._dynamo.config.trace_autograd_ops=True`, which fails on Keras' layers in torch 2.13
   (`AssertionError: 'self' not in cell_and_freevars` in plain Keras, a wrongly sized gradient
   with the strategy), so it stays off;
-* `keras_mwms.backends.torch.gradients.average_gradients` in `optimizer.apply`: the gradient
-  all-reduce runs eagerly (`torch.compiler.disable`), with its row weighting and bookkeeping;
 * with SGD, Keras' own torch update (`_foreach_add_(..., alpha=-learning_rate)` reads a tensor
-  as a number: "Data dependent operator"), inside Keras' `name_scope`, so Dynamo runs that
-  whole `apply` eagerly. Adam has no such break.
+  as a number: "Data dependent operator"), inside Keras' `name_scope`, so Dynamo runs the rest
+  of that `apply` eagerly. Adam has no such break.
 
-On the benchmark's MLP (Adam) a 2-worker fit records 2 reasons, 5 events; the fit scenario of
-`tests/test_backend_torch.py` (SGD) 3 reasons, 8 events.
+The gradient all-reduce is no break in its plain form (`jit_compile=True`, no accumulation, no
+LossScaleOptimizer, no per-worker BatchNormalization statistics): torch's functional
+collectives put it in the graph (`keras_mwms.backends.torch.gradients.averaged_in_graph`);
+otherwise it runs eagerly (`torch.compiler.disable`), one more break.
+
+The fit scenario of `tests/test_backend_torch.py` (SGD, 2 workers) records 2 reasons, 9 events
+(3 reasons, 8 events with the all-reduce outside the graph); the benchmark's MLP (Adam, 2
+workers) 3 events, `loss.backward()` alone (5 before), as many as DDP + torch.compile.
 
 Example:
 

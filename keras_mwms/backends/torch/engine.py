@@ -126,6 +126,8 @@ class TorchEngine(Backend):
         # Inside the distributed train step of a model created in the scope: an ordinary
         # BatchNormalization then computes global moments (`policy.global_batch_norm_moments`).
         self.in_train_step = False
+        # This step is compiled and all-reduces its gradients in its graph (`gradients.in_graph_applies`).
+        self.gradients_in_graph = False
         # This worker's GPU (or none): decided now, so a worker that cannot tell which GPU is
         # its own fails before the rendezvous.
         self.gpu_assignment = devices.gpu_assignment("torch", self.num_workers)
@@ -296,6 +298,33 @@ class TorchEngine(Backend):
                     size = tensors[i].numel()
                     results[i] = flat[offset:offset + size].view_as(tensors[i])
                     offset += size
+        return results  # type: ignore[return-value]
+
+    def all_reduce_in_graph(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Sums same-role tensors across workers, in buckets as `all_reduce_flat`, traceably.
+
+        torch's functional collectives (`torch.distributed._functional_collectives`): inside a
+        `torch.compile`d step they become nodes of its graph instead of a graph break. No
+        ledger entry and no `guarded` here (neither traces): the distributed train step guards
+        the whole compiled step (`keras_mwms.backends.torch.step`).
+        """
+        import torch.distributed._functional_collectives as functional
+
+        tensors = list(tensors)
+        if not self.distributed or not tensors:
+            return [tensor.clone() for tensor in tensors]
+        buckets = self._buckets(tensors)
+        pending = [(bucket, functional.all_reduce(torch.cat([tensors[i].reshape(-1) for i in bucket]),
+                                                  "sum", dist.group.WORLD))
+                   for bucket in buckets]
+        results: list[torch.Tensor | None] = [None] * len(tensors)
+        for bucket, flat in pending:
+            flat = functional.wait_tensor(flat)
+            offset = 0
+            for i in bucket:
+                size = tensors[i].numel()
+                results[i] = flat[offset:offset + size].view_as(tensors[i])
+                offset += size
         return results  # type: ignore[return-value]
 
     def _buckets(self, tensors: Sequence[torch.Tensor]) -> list[list[int]]:

@@ -8,6 +8,8 @@ statistics in one bucketed flat all-reduce, then divides by the global row count
 averaged by clipping and loss scaling. When the gradient buckets already started reducing
 during `backward()` (`keras_mwms.backends.torch.overlap`), the small values ride in the last
 bucket (`StepExtras`) and the step costs the gradient all-reduce only.
+A `jit_compile=True` step in its plain form sums them inside its compiled graph with torch's
+functional collectives (`averaged_in_graph`), the same arithmetic without a graph break.
 With `CommunicationOptions(compression=...)` the gradients cross in 16 bits
 (`compressed_all_reduce`); the statistics and row counts stay exact.
 BatchNormalization computes the moments of the global batch (`synchronized_moments`) when
@@ -104,9 +106,61 @@ def unsynchronized_batch_norm_statistics(model, backend: TorchEngine) -> list:
     return statistics
 
 
+def average_gradients(backend: TorchEngine, model, grads: list, variables=None) -> list:
+    """Global-batch gradients: in the compiled step's graph when `backend.gradients_in_graph`
+    (`averaged_in_graph`), else eagerly (`averaged_eagerly`)."""
+    if backend.gradients_in_graph and torch.compiler.is_compiling():
+        return averaged_in_graph(backend, grads)
+    return averaged_eagerly(backend, model, grads, variables)
+
+
+def in_graph_applies(model, backend: TorchEngine) -> bool:
+    """Whether a compiled (`jit_compile=True`) step all-reduces its gradients in its graph.
+
+    Its plain form only: one gradient all-reduce per step (no accumulation), no
+    LossScaleOptimizer, no BatchNormalization statistics to average. Anything else runs
+    `averaged_eagerly`, a graph break (`keras_mwms.benchmark.graph_breaks`).
+    """
+    from keras.optimizers import LossScaleOptimizer
+
+    optimizer = getattr(model, "optimizer", None)
+    return (backend.distributed and model.jit_compile is True and optimizer is not None
+            and not isinstance(optimizer, LossScaleOptimizer)
+            and not policy.accumulation_steps(optimizer)
+            and not unsynchronized_batch_norm_statistics(model, backend))
+
+
+def averaged_in_graph(backend: TorchEngine, grads: list) -> list:
+    """`averaged_over_workers`' arithmetic in traceable form (`TorchEngine.all_reduce_in_graph`).
+
+    The same payload, sums and divisions, so the same values as the eager form; the row count
+    and loss weight are Python numbers the compiled step guards on. Its bytes are recorded once,
+    when traced (`WireBytes.trace`): the graph sends them on every step.
+    """
+    step_rows = backend.rows
+    rows = float(step_rows.local)
+    loss_weight = step_rows.take_loss_weight()
+    row_scale = 1.0 if loss_weight is not None else rows
+    weight = loss_weight if loss_weight is not None else rows
+    present = [i for i, grad in enumerate(grads) if grad is not None]
+    payload = [torch.zeros_like(grads[i]) if not step_rows.has_rows else grads[i] if row_scale == 1.0
+               else grads[i] * row_scale for i in present]
+    reference = grads[present[0]] if present else torch.zeros(())
+    counts = torch.tensor([weight, rows], dtype=reference.dtype, device=reference.device)
+    wires = [wire_dtype(backend.options.compression, tensor.dtype) for tensor in payload]
+    sent = [tensor.to(getattr(torch, wire)) if wire else tensor for tensor, wire in zip(payload, wires)]
+    *summed, totals = backend.all_reduce_in_graph([*sent, counts])
+    WIRE.trace("gradient all-reduce", sum(_wire_bytes(backend, tensor) for tensor in payload)
+               + counts.numel() * counts.element_size())
+    averaged = list(grads)
+    for i, total, tensor in zip(present, summed, payload):
+        averaged[i] = total.to(tensor.dtype) / totals[0]
+    return averaged
+
+
 @torch._dynamo.disable
 @torch.no_grad()
-def average_gradients(backend: TorchEngine, model, grads: list, variables=None) -> list:
+def averaged_eagerly(backend: TorchEngine, model, grads: list, variables=None) -> list:
     """Global-batch gradients (`averaged_over_workers`), with one process's float16 overflow.
 
     Under a LossScaleOptimizer a gradient one process computes in float16 is inf where its

@@ -167,18 +167,16 @@ def _loss_weighted_by_rows(original: Callable) -> Callable:
 
 
 def _averaged_gradients(original: Callable) -> Callable:
-    signature = inspect.signature(original)
-
+    # Keras' `apply(self, grads, trainable_variables=None)` (the rows' `parameters`), spelled
+    # out: `inspect.signature(...).bind` is a graph break in a compiled step.
     @functools.wraps(original)
-    def apply(self, *args, **kwargs):
+    def apply(self, grads, trainable_variables=None):
         model = model_of(self)
         backend = backend_of(model) if model is not None else None
         if backend is None or not backend.distributed:
-            return original(self, *args, **kwargs)
-        bound = signature.bind(self, *args, **kwargs)
-        bound.arguments["grads"] = gradients.average_gradients(
-            backend, model, list(bound.arguments["grads"]), bound.arguments.get("trainable_variables"))
-        return original(*bound.args, **bound.kwargs)
+            return original(self, grads, trainable_variables)
+        averaged = gradients.average_gradients(backend, model, list(grads), trainable_variables)
+        return original(self, averaged, trainable_variables)
 
     return apply
 

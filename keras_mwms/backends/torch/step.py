@@ -232,9 +232,13 @@ def _distributed_train_function(model, backend: TorchEngine, train_function):
             metrics_first = metrics_first and reducer.armed
         elif accumulating:
             metrics_first = STATE.of(model).metrics_ride_accumulation = True
+        backend.gradients_in_graph = in_graph = gradients.in_graph_applies(model, backend)
         try:
             if metrics_first:
                 train_step_metrics_first(model, batch if rows else dummy_row(batch), rows)
+            elif in_graph:   # its all-reduce runs inside the compiled graph: guard the graph
+                with backend.guarded("gradient all-reduce"):
+                    logs, local_results = _run_step(model, train_function, data, rows)
             else:
                 logs, local_results = _run_step(model, train_function, data, rows)
         finally:
