@@ -293,11 +293,7 @@ class TorchEngine(Backend):
                 pending.append((bucket, flat, dist.all_reduce(flat, op=reduce_op, async_op=True)))
             for bucket, flat, work in pending:
                 work.wait()
-                offset = 0
-                for i in bucket:
-                    size = tensors[i].numel()
-                    results[i] = flat[offset:offset + size].view_as(tensors[i])
-                    offset += size
+                _unflatten(flat, bucket, tensors, results)
         return results  # type: ignore[return-value]
 
     def all_reduce_in_graph(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -319,12 +315,7 @@ class TorchEngine(Backend):
                    for bucket in buckets]
         results: list[torch.Tensor | None] = [None] * len(tensors)
         for bucket, flat in pending:
-            flat = functional.wait_tensor(flat)
-            offset = 0
-            for i in bucket:
-                size = tensors[i].numel()
-                results[i] = flat[offset:offset + size].view_as(tensors[i])
-                offset += size
+            _unflatten(functional.wait_tensor(flat), bucket, tensors, results)
         return results  # type: ignore[return-value]
 
     def _buckets(self, tensors: Sequence[torch.Tensor]) -> list[list[int]]:
@@ -384,3 +375,12 @@ class TorchEngine(Backend):
         with LEDGER.collective("broadcast_object"), self.guarded("broadcast_object"):
             dist.broadcast_object_list(holder, src=root)
         return holder[0]
+
+
+def _unflatten(flat: torch.Tensor, bucket: list[int], tensors: Sequence[torch.Tensor], results: list) -> None:
+    """Puts a reduced bucket's pieces back in `results`, each a view shaped as its tensor."""
+    offset = 0
+    for i in bucket:
+        size = tensors[i].numel()
+        results[i] = flat[offset:offset + size].view_as(tensors[i])
+        offset += size
