@@ -266,26 +266,42 @@ def _below_caches(dataset):
     return readable
 
 
-def _shuffle_seeds(dataset) -> list:
-    """The (seed, seed2) of every `shuffle` in a tf.data pipeline; unseeded ones get a random pair."""
-    import os
+def tf_shuffles(dataset) -> list:
+    """Every `shuffle` of a tf.data pipeline, found by walking its inputs from `dataset`.
 
-    seeds, pending, seen = [], [dataset], set()
+    Example:
+
+    >>> import tensorflow as tf
+    >>> pipeline = tf.data.Dataset.range(8).shuffle(8, seed=1).batch(2).shuffle(4, seed=2)
+    >>> len(tf_shuffles(pipeline))
+    2
+    """
+    shuffles, pending, seen = [], [dataset], set()
     while pending:
         current = pending.pop()
         if id(current) in seen:
             continue
         seen.add(id(current))
         if type(current).__name__ == "_ShuffleDataset":
-            pair = tuple(None if value is None else int(np.asarray(value))
-                         for value in (current._seed, current._seed2))
-            # No seed at all is stored as (0, 0) (TF then draws a random seed per iterator).
-            unseeded = pair in ((None, None), (0, 0))
-            seeds.append(("unseeded", os.urandom(8).hex()) if unseeded else pair)
+            shuffles.append(current)
         try:
             pending.extend(current._inputs())
         except (NotImplementedError, AttributeError):
             continue
+    return shuffles
+
+
+def _shuffle_seeds(dataset) -> list:
+    """The (seed, seed2) of every `shuffle` in a tf.data pipeline; unseeded ones get a random pair."""
+    import os
+
+    seeds = []
+    for shuffle in tf_shuffles(dataset):
+        pair = tuple(None if value is None else int(np.asarray(value))
+                     for value in (shuffle._seed, shuffle._seed2))
+        # No seed at all is stored as (0, 0) (TF then draws a random seed per iterator).
+        unseeded = pair in ((None, None), (0, 0))
+        seeds.append(("unseeded", os.urandom(8).hex()) if unseeded else pair)
     return seeds
 
 

@@ -44,6 +44,7 @@ import numpy as np
 
 from keras_mwms import active
 from keras_mwms.backends.keras_api import internals
+from keras_mwms.data import tf_shuffles
 from keras_mwms.resume.data_order import DataOrder, draw_seed
 
 # A callback class attribute: when true on any of fit's callbacks, shuffled inputs take a
@@ -238,23 +239,13 @@ def _tf_shuffle_problem(x) -> str | None:
     tf = sys.modules.get("tensorflow")
     if tf is None or not isinstance(x, tf.data.Dataset):
         return None
-    pending, seen = [x], set()
-    while pending:
-        current = pending.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        if type(current).__name__ == "_ShuffleDataset":
-            if _unseeded(current):
-                return "a shuffle without a seed draws a new order in every process"
-            if getattr(current, "_reshuffle_each_iteration", True):
-                return ("a shuffle with reshuffle_each_iteration draws each epoch's order inside "
-                        "TensorFlow's iterator, which a new process starts again at the first "
-                        "epoch's order")
-        try:
-            pending.extend(current._inputs())
-        except (NotImplementedError, AttributeError):
-            continue
+    for shuffle in tf_shuffles(x):
+        if _unseeded(shuffle):
+            return "a shuffle without a seed draws a new order in every process"
+        if getattr(shuffle, "_reshuffle_each_iteration", True):
+            return ("a shuffle with reshuffle_each_iteration draws each epoch's order inside "
+                    "TensorFlow's iterator, which a new process starts again at the first "
+                    "epoch's order")
     return None
 
 
