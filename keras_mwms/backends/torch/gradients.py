@@ -137,14 +137,7 @@ def averaged_in_graph(backend: TorchEngine, grads: list) -> list:
     and loss weight are Python numbers the compiled step guards on. Its bytes are recorded once,
     when traced (`WireBytes.trace`): the graph sends them on every step.
     """
-    step_rows = backend.rows
-    rows = float(step_rows.local)
-    loss_weight = step_rows.take_loss_weight()
-    row_scale = 1.0 if loss_weight is not None else rows
-    weight = loss_weight if loss_weight is not None else rows
-    present = [i for i, grad in enumerate(grads) if grad is not None]
-    payload = [torch.zeros_like(grads[i]) if not step_rows.has_rows else grads[i] if row_scale == 1.0
-               else grads[i] * row_scale for i in present]
+    present, payload, weight, rows = _row_weighted_gradients(backend.rows, grads)
     reference = grads[present[0]] if present else torch.zeros(())
     counts = torch.tensor([weight, rows], dtype=reference.dtype, device=reference.device)
     wires = [wire_dtype(backend.options.compression, tensor.dtype) for tensor in payload]
@@ -210,17 +203,7 @@ def averaged_over_workers(backend: TorchEngine, model, grads: list, variables=No
         riders, on_riders = _metric_riders(model)
         return accumulation.accumulate(backend, model.optimizer, steps, grads, variables, statistics,
                                        reduce_gradients, riders, on_riders)
-    # A custom step's gradients are those of its shard's mean loss: weight them by the rows.
-    loss_weight = step_rows.take_loss_weight()
-    row_scale = 1.0 if loss_weight is not None else rows
-    weight = loss_weight if loss_weight is not None else rows
-    present = [i for i, grad in enumerate(grads) if grad is not None]
-    payload = []
-    for i in present:
-        if not has_rows:
-            payload.append(torch.zeros_like(grads[i]))
-        else:
-            payload.append(grads[i] if row_scale == 1.0 else grads[i] * row_scale)
+    present, payload, weight, rows = _row_weighted_gradients(step_rows, grads)
     for variable in statistics:
         value = variable.value.data
         payload.append(value * rows if has_rows else torch.zeros_like(value))
@@ -241,6 +224,24 @@ def averaged_over_workers(backend: TorchEngine, model, grads: list, variables=No
     for offset, variable in enumerate(statistics):
         variable.value.data.copy_(reduced[len(present) + offset] / total_rows)
     return averaged
+
+
+def _row_weighted_gradients(step_rows, grads: list) -> tuple[list[int], list, float, float]:
+    """This worker's share of the step's gradients, to be summed across workers and divided by
+    the summed weight: `(indices of the present gradients, their payload, weight, rows)`.
+
+    A custom step's gradients are those of its shard's mean loss (no `scale_loss`, no loss
+    weight): they are weighted by the rows here. A worker without rows sends zeros. Takes the
+    step's loss weight (`StepRows.take_loss_weight`).
+    """
+    rows = float(step_rows.local)
+    loss_weight = step_rows.take_loss_weight()
+    row_scale = 1.0 if loss_weight is not None else rows
+    weight = loss_weight if loss_weight is not None else rows
+    present = [i for i, grad in enumerate(grads) if grad is not None]
+    payload = [torch.zeros_like(grads[i]) if not step_rows.has_rows else grads[i] if row_scale == 1.0
+               else grads[i] * row_scale for i in present]
+    return present, payload, weight, rows
 
 
 def _average_overlapped(backend: TorchEngine, grads: list, summed: list, statistics: list,
