@@ -10,7 +10,7 @@ autograd goes on with the earlier layers. The optimizer's `apply` then only wait
 Buckets follow the reverse order of the trainable weights (backward produces the last layers'
 gradients first), hold one dtype each, and are launched strictly in bucket order, so every
 worker issues the same collectives in the same order whatever autograd's timing. The first
-bucket is small (`FIRST_BUCKET_BYTES`) to start communicating early; the rest use the
+bucket closes at `FIRST_BUCKET_BYTES` to start communicating early; the rest at the
 strategy's `bytes_per_pack`. A gradient that never arrives (a parameter the loss does not use)
 is sent as zeros when `apply` asks for the result, on every worker alike.
 
@@ -61,9 +61,15 @@ def plan_buckets(sizes: Sequence[int], dtypes: Sequence, first_bytes: int, bytes
                  ) -> list[list[int]]:
     """Groups parameter positions into launch buckets, last parameter first.
 
+    As DDP's reducer: a bucket closes once it holds at least its limit (or the next parameter
+    has another dtype), so the first bucket reaches the first large layer. Cutting before that
+    layer instead would leave it, and all the layers before it, for the end of backward.
+
     Example:
 
     >>> plan_buckets([10, 10, 10, 10], ["f"] * 4, first_bytes=10, bytes_per_pack=30)
+    [[3], [2, 1, 0]]
+    >>> plan_buckets([1, 8, 1, 8], ["f"] * 4, first_bytes=4, bytes_per_pack=30)
     [[3], [2, 1, 0]]
     >>> plan_buckets([4, 4, 4], ["f", "h", "h"], first_bytes=100, bytes_per_pack=100)
     [[2, 1], [0]]
@@ -72,12 +78,14 @@ def plan_buckets(sizes: Sequence[int], dtypes: Sequence, first_bytes: int, bytes
     current: list[int] = []
     size = 0
     for position in reversed(range(len(sizes))):
-        limit = first_bytes if not buckets else bytes_per_pack
-        if current and (size + sizes[position] > limit or dtypes[position] != dtypes[current[0]]):
+        if current and dtypes[position] != dtypes[current[0]]:
             buckets.append(current)
             current, size = [], 0
         current.append(position)
         size += sizes[position]
+        if size >= (first_bytes if not buckets else bytes_per_pack):
+            buckets.append(current)
+            current, size = [], 0
     if current:
         buckets.append(current)
     return buckets
