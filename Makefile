@@ -24,9 +24,16 @@ $(STAMP): pyproject.toml constraints.txt
 # The suite, the version smoke (`version-smoke`, about 5 min here) and the CI benchmark
 # (`bench-quick`, under 2 min here): CI runs all three through `make test`, so its log shows the
 # compatibility table and ends with the ratio table. `$(BIN)/python -m pytest` alone runs just the suite.
+# The smoke runs beside the suite, whose lone processes and waits leave a core idle much of the
+# time; its log follows the suite's. The benchmark runs alone, after both (it measures time).
 test: install
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
-	$(MAKE) --no-print-directory version-smoke
+	@mkdir -p build
+	@$(BIN)/python scripts/version_smoke.py $(KERAS_SMOKE) > build/version-smoke.log 2>&1 & smoke=$$!; \
+	trap 'kill $$smoke 2>/dev/null' INT TERM; \
+	$(BIN)/python -m pytest $(PYTEST_ARGS); suite=$$?; \
+	wait $$smoke; smoked=$$?; \
+	echo "== make version-smoke (run beside the suite): exit $$smoked"; cat build/version-smoke.log; \
+	test $$suite -eq 0 && test $$smoked -eq 0
 	$(MAKE) --no-print-directory bench-quick
 
 lint: install

@@ -117,8 +117,9 @@ def pinned_nightly() -> str:
 
 
 def _version_in(overlay: Path | None) -> str:
+    # Keras' numpy backend: the version without importing TensorFlow (Keras' default backend).
     code = "import keras; print(keras.__version__)"
-    return subprocess.run([sys.executable, "-c", code], env=_environment(overlay, None), check=True,
+    return subprocess.run([sys.executable, "-c", code], env=_environment(overlay, "numpy"), check=True,
                           capture_output=True, text=True).stdout.strip()
 
 

@@ -7,6 +7,7 @@
 * `run_processes`: processes whose command line, environment (TF_CONFIG included) or argv
   prefix (`ip netns exec NS`) the test chooses itself;
 * `run_one_process`: one process without TF_CONFIG, e.g. the single-process reference;
+* `start_processes`: `run_processes` in the background (a reference beside the gangs), joined later;
 * `run_launcher`: the `python -m keras_mwms.launch` command line itself.
 
 Each puts a deadline on the whole run and kills every process group at the end, also on an
@@ -234,14 +235,15 @@ def gang_spawns(argv: Sequence[str], workers: int, env: dict[str, str]) -> list[
 
 
 def run_processes(spawns: Sequence[Spawn], timeout: float, grace_after_failure: float | None = None,
-                  cwd: Path = REPO) -> ProcessesResult:
+                  cwd: Path = REPO, stop: threading.Event | None = None) -> ProcessesResult:
     """Runs every spawn at once, each in its own process group, and waits for all to exit.
 
     Each process's stdout and stderr are captured together. With `grace_after_failure`, once one
     process exits non-zero the others get that many seconds more, then are killed (code None).
     If `timeout` seconds pass with a process still running, every process group is killed and
-    `AssertionError` carries everyone's output. Whatever happens, no process group outlives
-    the call (a group may hold grandchildren after its leader exited).
+    `AssertionError` carries everyone's output. Once `stop` is set, those still running are
+    killed (code None). Whatever happens, no process group outlives the call (a group may hold
+    grandchildren after its leader exited).
     """
     base = {key: value for key, value in os.environ.items() if key != "TF_CONFIG"}
     processes: list[subprocess.Popen] = []
@@ -273,16 +275,68 @@ def run_processes(spawns: Sequence[Spawn], timeout: float, grace_after_failure: 
                     exited[index] = time.monotonic()
                     if process.returncode != 0 and grace_after_failure is not None:
                         deadline = min(deadline, exited[index] + grace_after_failure)
-            if len(exited) == len(processes) or time.monotonic() >= deadline:
+            if len(exited) == len(processes) or time.monotonic() >= deadline or (stop and stop.is_set()):
                 break
             time.sleep(0.05)
-        if len(exited) < len(processes) and deadline == hard_deadline:
+        if len(exited) < len(processes) and deadline == hard_deadline and not (stop and stop.is_set()):
             _kill_groups(processes, pumps)
             raise AssertionError(f"{len(processes) - len(exited)} of {len(processes)} processes still "
                                  f"running after {timeout} s; output:\n{result().log()}")
     finally:
         _kill_groups(processes, pumps)
     return result()
+
+
+class Started:
+    """`run_processes` running in a background thread (see `start_processes`).
+
+    `result()` joins it; leaving the `with` block kills whatever still runs, e.g. after a gang
+    beside it failed.
+    """
+
+    def __init__(self, spawns: Sequence[Spawn], timeout: float, grace_after_failure: float | None) -> None:
+        self._timeout = timeout
+        self._stop = threading.Event()
+        self._outcome: list = []
+        self._thread = threading.Thread(target=self._run, args=(spawns, timeout, grace_after_failure), daemon=True)
+        self._thread.start()
+
+    def _run(self, spawns, timeout, grace_after_failure) -> None:
+        try:
+            self._outcome.append(run_processes(spawns, timeout, grace_after_failure, stop=self._stop))
+        except BaseException as error:  # handed to the caller of result()
+            self._outcome.append(error)
+
+    def result(self) -> ProcessesResult:
+        """The processes' `ProcessesResult`; raises what `run_processes` raised (e.g. its timeout)."""
+        # run_processes is bounded by its own timeout, then kills and reaps (at most ~35 s more).
+        self._thread.join(self._timeout + 60)
+        if not self._outcome:
+            raise AssertionError(f"background processes: no result {self._timeout + 60} s into the wait for them")
+        if isinstance(self._outcome[0], BaseException):
+            raise self._outcome[0]
+        return self._outcome[0]
+
+    def __enter__(self) -> Started:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+
+def start_processes(spawns: Sequence[Spawn], timeout: float, grace_after_failure: float | None = None) -> Started:
+    """Starts `run_processes(spawns, ...)` in a background thread and returns at once.
+
+    For a single-process reference that runs beside the gangs it is compared with: on 2 cores a
+    lone process leaves one idle. Same bounds and clean-up as `run_processes`; the processes die
+    with this one, and at the end of the `with` block at the latest.
+
+        with start_processes([Spawn(command, worker_env("jax"))], timeout=300) as reference:
+            ...                              # the gangs
+            assert reference.result().codes == [0]
+    """
+    return Started(spawns, timeout, grace_after_failure)
 
 
 def _pump(stream, sink: list[bytes]) -> None:

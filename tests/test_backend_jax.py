@@ -1,19 +1,21 @@
 """Multi-process acceptance tests of the JAX backend (`keras_mwms/backends/jax/`).
 
 Each scenario runs `tests/workers/fit_scenario.py` once as a real gang (fit + evaluate + predict
-+ dumps) and once as the single-process reference (no TF_CONFIG); the tests compare the dumps
-with numpy only, so this pytest process never imports JAX or Keras.
++ dumps); one process without TF_CONFIG runs every scenario's single-process reference, one
+after another (`--scenario`), in the background while the gangs run. The tests compare the
+dumps with numpy only, so this pytest process never imports JAX or Keras.
 """
 
 from __future__ import annotations
 
 import re
+import shlex
 import sys
 
 import numpy as np
 import pytest
 
-from tests.multiworker import python_worker, run_gang, run_one_process, watch_gang, worker_env
+from tests.multiworker import Spawn, python_worker, run_gang, start_processes, watch_gang, worker_env
 from tests.workers.fit_scenario import load_dump
 
 pytestmark = [pytest.mark.jax, pytest.mark.slow]
@@ -62,29 +64,36 @@ def max_difference(a, b):
     return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
 
 
-def run_reference(out_dir, args, extra_env):
-    # The reference is one process on one device.
-    env = worker_env("jax", **{key: value for key, value in extra_env.items() if key != "JAX_NUM_CPU_DEVICES"})
-    run_one_process(_fit_scenario(out_dir, *args), REFERENCE_TIMEOUT, env=env)
-    return load_dump(out_dir, 0)
+# The scenarios compared with one process, and that process's command: one device (no
+# JAX_NUM_CPU_DEVICES), the scenarios' own environments otherwise (none sets another variable).
+REFERENCED = [name for name, spec in SCENARIOS.items() if "reference" not in spec]
+assert all(set(SCENARIOS[name].get("env", {})) <= {"JAX_NUM_CPU_DEVICES"} for name in REFERENCED)
+
+
+def _reference_command(out: str) -> list[str]:
+    scenarios = [part for name in REFERENCED
+                 for part in ("--scenario", f"{name}: {shlex.join(SCENARIOS[name]['args'])}")]
+    return _fit_scenario(out, *scenarios)
 
 
 @pytest.fixture(scope="module")
 def scenario_runs(tmp_path_factory):
-    """Runs every scenario (gang + reference) once; returns {name: (reference, [worker dumps])}."""
+    """Runs every scenario's gang once, the references in one process beside them; returns
+    {name: (reference, [worker dumps])}."""
+    reference_dir = tmp_path_factory.mktemp("references")
     runs = {}
-    for name, spec in SCENARIOS.items():
-        env = spec.get("env", {})
-        gang_dir = tmp_path_factory.mktemp(f"{name}_gang")
-        result = run_gang(_fit_scenario(str(gang_dir), *spec["args"]), spec["workers"],
-                          GANG_TIMEOUT, env=worker_env("jax", **env))
-        assert result.returncode == 0, result.output[-8000:]
-        workers = [load_dump(str(gang_dir), index) for index in range(spec["workers"])]
-        if "reference" in spec:
-            reference = runs[spec["reference"]][0] if spec["reference"] else None
-        else:
-            reference = run_reference(str(tmp_path_factory.mktemp(f"{name}_ref")), spec["args"], env)
-        runs[name] = (reference, workers)
+    with start_processes([Spawn(_reference_command(str(reference_dir)), worker_env("jax"))],
+                         REFERENCE_TIMEOUT * len(REFERENCED)) as references:
+        for name, spec in SCENARIOS.items():
+            gang_dir = tmp_path_factory.mktemp(f"{name}_gang")
+            result = run_gang(_fit_scenario(str(gang_dir), *spec["args"]), spec["workers"],
+                              GANG_TIMEOUT, env=worker_env("jax", **spec.get("env", {})))
+            assert result.returncode == 0, result.output[-8000:]
+            runs[name] = (None, [load_dump(str(gang_dir), index) for index in range(spec["workers"])])
+        ran = references.result()
+    assert ran.codes == [0], ran.log()
+    for name in REFERENCED:
+        runs[name] = (load_dump(str(reference_dir / name), 0), runs[name][1])
     return runs
 
 

@@ -2,20 +2,21 @@
 
 Each scenario of `tests/workers/fit_scenario.py` runs once (module-scoped fixtures) as a gang of
 workers and, where equivalence is checked, once more as the single-process reference without
-TF_CONFIG; the tests read the dumps. Nothing here imports TensorFlow or Keras: the pytest
-process stays backend-free.
+TF_CONFIG (one process for every scenario, in the background while the gangs run); the tests
+read the dumps. Nothing here imports TensorFlow or Keras: the pytest process stays backend-free.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 
 import numpy as np
 import pytest
 
 from keras_mwms.launch import find_free_ports
-from tests.multiworker import Spawn, python_worker, run_gang, run_one_process, run_processes, worker_env
+from tests.multiworker import Spawn, python_worker, run_gang, run_processes, start_processes, worker_env
 from tests.workers.common import load_result, load_weights, max_weight_difference
 
 pytestmark = pytest.mark.tensorflow
@@ -41,25 +42,34 @@ def _fit_scenario(out: str, *flags: str) -> list[str]:
     return python_worker("fit_scenario.py", out, *BASE, *flags)
 
 
-def _run_reference(out: str, *flags: str) -> str:
-    return run_one_process(_fit_scenario(out, *flags), GANG_TIMEOUT, env=worker_env("tensorflow"))
-
-
 def _run_workers(workers: int, out: str, *flags: str):
     result = run_gang(_fit_scenario(out, *flags), workers, GANG_TIMEOUT, env=worker_env("tensorflow"))
     assert result.returncode == 0, result.output[-8000:]
     return result
 
 
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """One process without TF_CONFIG runs every scenario's reference (`--scenario NAME: ...`, the
+    flags less the gang-only ones), in the background from the first gang on."""
+    root = tmp_path_factory.mktemp("single")
+    gang_only = ("--seed-by-worker", "--jit-compile")
+    scenarios = [part for name in sorted(SCENARIOS) for part in (
+        "--scenario", f"{name}: {shlex.join(a for a in SCENARIOS[name][1] if a not in gang_only)}")]
+    with start_processes([Spawn(_fit_scenario(str(root), *scenarios), worker_env("tensorflow"))],
+                         GANG_TIMEOUT) as run:
+        yield root, run
+
+
 @pytest.fixture(scope="module", params=sorted(SCENARIOS))
-def equivalence_run(request, tmp_path_factory):
+def equivalence_run(request, tmp_path_factory, references):
     workers, arguments = SCENARIOS[request.param]
     root = tmp_path_factory.mktemp(request.param)
     gang = _run_workers(workers, str(root / "gang"), *arguments)
-    reference_output = _run_reference(str(root / "single"),
-                                      *[a for a in arguments if a not in ("--seed-by-worker", "--jit-compile")])
-    return {"name": request.param, "workers": workers, "gang": str(root / "gang"), "single": str(root / "single"),
-            "gang_result": gang, "reference_output": reference_output}
+    single, reference = references[0], references[1].result()
+    assert reference.codes == [0], reference.log()
+    return {"name": request.param, "workers": workers, "gang": str(root / "gang"), "single": str(single / request.param),
+            "gang_result": gang, "reference_output": reference.outputs[0]}
 
 
 @pytest.mark.slow
@@ -178,11 +188,13 @@ def test_autoshard_off_uses_every_row_of_each_worker(unsharded_run):
 @pytest.fixture(scope="module")
 def seed_examples(tmp_path_factory):
     root = tmp_path_factory.mktemp("seed")
-    result = run_gang(python_worker("tensorflow_seed.py", str(root / "gang")), 2, GANG_TIMEOUT,
-                      env=worker_env("tensorflow"))
-    assert result.returncode == 0, result.output[-8000:]
-    run_one_process(python_worker("tensorflow_seed.py", str(root / "single")), GANG_TIMEOUT,
-                    env=worker_env("tensorflow"))
+    with start_processes([Spawn(python_worker("tensorflow_seed.py", str(root / "single")), worker_env("tensorflow"))],
+                         GANG_TIMEOUT) as single:
+        result = run_gang(python_worker("tensorflow_seed.py", str(root / "gang")), 2, GANG_TIMEOUT,
+                          env=worker_env("tensorflow"))
+        assert result.returncode == 0, result.output[-8000:]
+        reference = single.result()
+        assert reference.codes == [0], reference.log()
     return str(root / "gang"), str(root / "single")
 
 

@@ -1,6 +1,6 @@
 """keras_mwms.callbacks end to end: real workers, real kills, the real launcher's restarts.
 
-For each backend one module-scoped set of runs of `tests/workers/resume_scenario.py`:
+For each backend one module-scoped set of runs (two at a time) of `tests/workers/resume_scenario.py`:
 an uninterrupted reference (with ModelCheckpoint and TensorBoard), a worker SIGKILLed
 mid-epoch with `save_freq="epoch"` (under Keras' own `keras.callbacks.BackupAndRestore`, which
 keras_mwms runs as its own), one SIGKILLed mid-epoch with `save_freq=4`, and the chief
@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -43,18 +44,23 @@ def epochs_logged(out_dir, worker):
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def runs(request, tmp_path_factory):
+    """The backend's five runs, two at a time (a restart's stop and start leave a core idle)."""
     backend = request.param
     root = tmp_path_factory.mktemp(f"callbacks-{backend}")
-    results, seconds = {}, {}
-    for name, arguments in FAULTS.items():
+    seconds = {}
+
+    def run(name):
         out, backup = root / name, root / f"{name}-backup"
         started = time.monotonic()
-        results[name] = (out, backup, run_launcher(
-            ["--workers", "2", "--max-restarts", "0" if name == "reference" else "1",
-             "--grace-period", "3"],
-            [SCENARIO, "--out", str(out), "--backup", str(backup), *arguments],
-            timeout=RUN_TIMEOUT, env=worker_env(backend)))
+        result = run_launcher(
+            ["--workers", "2", "--max-restarts", "0" if name == "reference" else "1", "--grace-period", "3"],
+            [SCENARIO, "--out", str(out), "--backup", str(backup), *FAULTS[name]],
+            timeout=RUN_TIMEOUT, env=worker_env(backend))
         seconds[name] = time.monotonic() - started
+        return out, backup, result
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = dict(zip(FAULTS, pool.map(run, FAULTS)))
     print_fault_table(backend, results, seconds)
     return backend, results
 

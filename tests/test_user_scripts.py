@@ -22,13 +22,12 @@ from __future__ import annotations
 import csv
 import os
 import re
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from tests.multiworker import REPO, python_worker, run_gang, worker_env
+from tests.multiworker import REPO, Spawn, python_worker, run_gang, start_processes, worker_env
 
 sys.path.insert(0, str(REPO / "tests" / "workers"))
 import common  # noqa: E402
@@ -102,14 +101,14 @@ def runs(request, tmp_path_factory) -> Runs:
     gang_dir = str(tmp_path_factory.mktemp(f"{backend}_gang"))
     reference_dir = str(tmp_path_factory.mktemp(f"{backend}_plain"))
     single_dir = str(tmp_path_factory.mktemp(f"{backend}_single"))
-    env = dict(os.environ, **worker_env(backend))
-    env.pop("TF_CONFIG", None)
-    for out, flags in ((reference_dir, ["--plain"]), (single_dir, [])):
-        alone = subprocess.run(python_worker("user_scripts.py", out, *flags), env=env,
-                               capture_output=True, text=True, timeout=GANG_TIMEOUT)
-        assert alone.returncode == 0, alone.stdout[-4000:] + alone.stderr[-4000:]
-    gang = run_gang(python_worker("user_scripts.py", gang_dir), 2, GANG_TIMEOUT, env=worker_env(backend))
-    assert gang.returncode == 0, gang.output[-8000:]
+    # The two single processes (plain Keras; keras_mwms without TF_CONFIG) run beside the gang.
+    alone = [Spawn(python_worker("user_scripts.py", out, *flags), worker_env(backend))
+             for out, flags in ((reference_dir, ["--plain"]), (single_dir, []))]
+    with start_processes(alone, GANG_TIMEOUT) as singles:
+        gang = run_gang(python_worker("user_scripts.py", gang_dir), 2, GANG_TIMEOUT, env=worker_env(backend))
+        assert gang.returncode == 0, gang.output[-8000:]
+        ran = singles.result()
+        assert ran.codes == [0, 0], ran.log(4000)
     return Runs(backend, gang_dir, reference_dir, single_dir, gang.output)
 
 
