@@ -105,11 +105,12 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
             rendezvous timeout). Default: AUTO.
         cluster_resolver: any resolver of `keras_mwms` or `keras_mwms.resolvers`. Default:
             detected from the environment: `TF_CONFIG`, else a Slurm job step, else torchrun,
-            else MPI, else a single worker.
+            else MPI, else JAX's variables, else SkyPilot, else a single worker. The chief logs
+            the source once when it was detected or the resolver read a launcher's variables.
 
     Raises:
         TFConfigError: `TF_CONFIG` (or the resolver's cluster) cannot describe a valid job.
-        ClusterEnvironmentError: Slurm, torchrun or MPI variables cannot describe a valid job.
+        ClusterEnvironmentError: a launcher's variables (Slurm, torchrun, MPI, JAX, SkyPilot) cannot describe a valid job.
         EnvironmentVariableError: a `KERAS_MWMS_*` variable holds a value it cannot read.
         GpuAssignmentError: the GPUs this worker should use cannot be decided.
         RendezvousError: the workers did not all arrive in time, or disagree on the configuration.
@@ -122,11 +123,15 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
 
     def __init__(self, communication_options: CommunicationOptions | None = None,
                  cluster_resolver: ClusterResolver | None = None):
-        if cluster_resolver is None:
+        detected = cluster_resolver is None
+        if detected:
             cluster_resolver = detect_cluster_resolver()
-            if cluster_resolver.is_chief and cluster_resolver.num_workers > 1:
-                logger.info(f"keras_mwms: cluster of {cluster_resolver.num_workers} workers from "
-                            f"{describe_source(cluster_resolver)}", worker=cluster_resolver)
+        # The chief names where the cluster came from: detected, or a resolver that read a
+        # launcher itself (RayTrainClusterResolver under JaxTrainer is never detected).
+        if ((detected or getattr(cluster_resolver, "source", None))
+                and cluster_resolver.is_chief and cluster_resolver.num_workers > 1):
+            logger.info(f"keras_mwms: cluster of {cluster_resolver.num_workers} workers from "
+                        f"{describe_source(cluster_resolver)}", worker=cluster_resolver)
         self._resolver = cluster_resolver
         self._options = communication_options if communication_options is not None else CommunicationOptions()
         if not isinstance(self._options, CommunicationOptions):

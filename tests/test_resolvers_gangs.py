@@ -218,17 +218,21 @@ def ray_runs(tmp_path_factory):
     return out, ran
 
 
-@pytest.mark.parametrize("backend, resolver", [
-    pytest.param("tensorflow", "TFConfigClusterResolver", marks=pytest.mark.tensorflow),
-    pytest.param("torch", "TorchrunClusterResolver", marks=pytest.mark.torch),
-    pytest.param("jax", "RayTrainClusterResolver", marks=pytest.mark.jax),
+@pytest.mark.parametrize("backend, resolver, source", [
+    pytest.param("tensorflow", "TFConfigClusterResolver", "TF_CONFIG", marks=pytest.mark.tensorflow),
+    pytest.param("torch", "TorchrunClusterResolver", "torch-style launcher", marks=pytest.mark.torch),
+    pytest.param("jax", "RayTrainClusterResolver", "Ray Train worker group", marks=pytest.mark.jax),
 ])
-def test_ray_train_gang_trains_like_one_process(backend, resolver, ray_runs, references):
+def test_ray_train_gang_trains_like_one_process(backend, resolver, source, ray_runs, references):
     """TensorflowTrainer (Ray's TF_CONFIG), TorchTrainer (Ray's process group, joined and left to
     Ray) and JaxTrainer (RayTrainClusterResolver): 2 workers == one process, after Ray restarted
-    the group once (TF, torch) and BackupAndRestore resumed; the chief's metrics reach Ray."""
+    the group once (TF, torch) and BackupAndRestore resumed; the chief's metrics reach Ray, and
+    the chief of each attempt names the source once."""
     out, ran = ray_runs
     assert ran.codes == [0], ran.log(tail=12000)
+    attempts = 1 if backend == "jax" else 2
+    named = [line for line in ran.outputs[0].splitlines() if f"{SOURCE_LINE} {source}" in line]
+    assert len(named) == attempts and all("[worker 0]" in line for line in named), named
     gang = out / backend
     reported = json.loads((gang / "ray.json").read_text())
     assert reported["error"] is None and reported["checkpoint"], reported

@@ -110,14 +110,15 @@ def detect_cluster_resolver(environ: Mapping[str, str] | None = None) -> Cluster
                 f"keras_mwms will not guess between {chosen} and {source}: unset the variables of the "
                 f"launcher that does not start the workers, or set {SOURCE_ENV} to {chosen} or {source}.")
     ignored = [source for source in counts if source != chosen]
+    stale = " (e.g. a TF_CONFIG left in the shell)" if chosen == "tf_config" else ""
     # Agreeing counts do not mean agreeing ranks: a TF_CONFIG left in the shell makes every
     # torchrun worker worker 0. Say which source won, so a clash that follows is explained.
     warnings.warn(
         f"keras_mwms: this worker's cluster is read from {chosen} ({chosen_variable}); the "
         f"{' and '.join(f'{source} ({counts[source][0]})' for source in ignored)} variables also present are "
-        f"ignored. If {' or '.join(ignored)} started this job, unset {chosen_variable} (e.g. a TF_CONFIG left "
-        f"in the shell) or set {SOURCE_ENV}={ignored[0]}; set {SOURCE_ENV}={chosen} to keep this choice "
-        "without this warning.", stacklevel=2)
+        f"ignored. If {' or '.join(ignored)} started this job, unset {chosen_variable}{stale} or set "
+        f"{SOURCE_ENV}={ignored[0]}; set {SOURCE_ENV}={chosen} to keep this choice without this warning.",
+        stacklevel=2)
     return _build(chosen, environ)
 
 
