@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -75,30 +76,72 @@ def find_free_ports(count: int, host: str = "localhost") -> list[int]:
     UDP too: each worker's hang watchdog listens on UDP at its TF_CONFIG port number
     (`keras_mwms.diagnostics.channel`), so a port another gang's watchdog holds is skipped.
 
+    The ports come from below the kernel's ephemeral range (Linux's
+    `/proc/sys/net/ipv4/ip_local_port_range`, 32768–60999 by default) where there is one: the
+    kernel hands out ephemeral ports to every outgoing connection and every listener bound to
+    port 0 (gloo, gRPC, other gangs), so a port drawn from that range can be taken between this
+    call and the moment the worker listens on it. Elsewhere the kernel picks them.
+
     Example:
 
     >>> ports = find_free_ports(2)
     >>> len(set(ports)) == 2 and all(1024 <= port <= 65535 for port in ports)
     True
     """
-    sockets, ports = [], []
+    sockets: list[socket.socket] = []
+    ports: list[int] = []
     try:
-        while len(ports) < count:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((host, 0))
-            sockets.append(sock)
-            port = sock.getsockname()[1]
-            datagram = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            sockets.append(datagram)
-            try:
-                datagram.bind(("0.0.0.0", port))
-            except OSError:
-                continue   # held for UDP: keep the TCP socket bound so it is not offered again
-            ports.append(port)
+        candidates = _ports_below_ephemeral_range()
+        for port in candidates:
+            if len(ports) == count:
+                break
+            if _hold_tcp_and_udp(host, port, sockets) is not None:
+                ports.append(port)
+        while len(ports) < count:     # no such range here, or all of the tries were taken
+            port = _hold_tcp_and_udp(host, 0, sockets)
+            if port is not None and port not in ports:
+                ports.append(port)
     finally:
         for sock in sockets:
             sock.close()
     return ports
+
+
+_FIRST_UNPRIVILEGED_CANDIDATE = 10000    # above most services' fixed ports
+_PORT_TRIES = 64
+
+
+def _ports_below_ephemeral_range() -> list[int]:
+    """Up to `_PORT_TRIES` random ports between 10000 and the kernel's first ephemeral port."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ranges:
+            first_ephemeral = int(ranges.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return []
+    span = range(_FIRST_UNPRIVILEGED_CANDIDATE, first_ephemeral)
+    # The system's generator: a script that seeded `random` must not make two gangs collide.
+    return random.SystemRandom().sample(span, min(_PORT_TRIES, len(span)))
+
+
+def _hold_tcp_and_udp(host: str, port: int, sockets: list[socket.socket]) -> int | None:
+    """Binds `port` (0: any) on `host` for TCP and on every interface for UDP; the port, or None.
+
+    The sockets stay open in `sockets` until the caller closes them, so a port is not offered twice.
+    """
+    stream = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sockets.append(stream)
+    try:
+        stream.bind((host, port))
+    except OSError:
+        return None
+    port = stream.getsockname()[1]
+    datagram = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sockets.append(datagram)
+    try:
+        datagram.bind(("0.0.0.0", port))
+    except OSError:
+        return None   # held for UDP: the TCP socket stays bound so it is not offered again
+    return port
 
 
 def _die_with_parent() -> None:
