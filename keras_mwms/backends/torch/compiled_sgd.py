@@ -60,7 +60,7 @@ def _tensor(learning_rate) -> torch.Tensor | None:
 
 
 def update(optimizer, grads: list, variables: list, learning_rate) -> None:
-    """Keras' `SGD._parallel_update_step` (keras/src/backend/torch/optimizers/torch_sgd.py)
+    """Keras' torch `SGD._parallel_update_step` (the `torch-sgd-update` patch row)
     operation for operation, its two `alpha=-learning_rate` additions as `add_scaled_`."""
     weights = [variable.value for variable in variables]
     grads = list(grads)
