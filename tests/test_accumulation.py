@@ -48,7 +48,10 @@ SCENARIOS = {"k2": ["--accumulation", "2"], "k3": ["--accumulation", "3", "--opt
 # gang of the same run, the batches of 31 rows replicated over the devices, the last (14) sharded.
 DATA_PARALLEL = {"k2_batchnorm": ["--accumulation", "2", "--batch-norm", "local"],
                  "k2_custom_step": ["--accumulation", "2", "--custom-train-step"]}
-STEPS = {"k2": 2, "k3": 3, "k3fits": 3, "k2_batchnorm": 2, "k2_custom_step": 2}
+# torch's compiled step (`jit_compile=True`): Keras' torch.compile'd train step, the window's
+# all-reduce after backward (`gradients.averaged_eagerly`), in the same gang.
+COMPILED = {"k2_jit": ["--accumulation", "2", "--jit-compile"]}
+STEPS = {"k2": 2, "k3": 3, "k3fits": 3, "k2_batchnorm": 2, "k2_custom_step": 2, "k2_jit": 2}
 FITS = {"k3fits": 2}        # fit calls per scenario (default 1)
 MICRO_STEPS = 14           # 2 epochs of ceil(200 / 31) = 7 batches
 BACKENDS = [pytest.param("tensorflow", marks=pytest.mark.tensorflow),
@@ -57,7 +60,7 @@ BACKENDS = [pytest.param("tensorflow", marks=pytest.mark.tensorflow),
 
 
 def _scenarios(backend: str) -> dict:
-    return {**SCENARIOS, **DATA_PARALLEL} if backend == "jax" else SCENARIOS
+    return {**SCENARIOS, **{"jax": DATA_PARALLEL, "torch": COMPILED}.get(backend, {})}
 
 
 def _command(out: str, backend: str) -> list[str]:
@@ -83,11 +86,11 @@ def _dump(root, run: str, name: str, index: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(SCENARIOS) + list(DATA_PARALLEL))
+@pytest.mark.parametrize("name", list(SCENARIOS) + list(DATA_PARALLEL) + list(COMPILED))
 def test_accumulating_workers_match_one_process(runs, name):
     backend, root = runs
     if name not in _scenarios(backend):
-        pytest.skip(f"{name}: a JAX DataParallel scenario")
+        pytest.skip(f"{name}: a JAX DataParallel or a torch compiled scenario")
     first, second = _dump(root, "gang", name, 0), _dump(root, "gang", name, 1)
     reference = _dump(root, "reference", name, 0)
     assert first["batches"] == reference["batches"] == [7, 7], (backend, name)
@@ -102,14 +105,16 @@ def test_accumulating_workers_match_one_process(runs, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(SCENARIOS) + list(DATA_PARALLEL))
+@pytest.mark.parametrize("name", list(SCENARIOS) + list(DATA_PARALLEL) + list(COMPILED))
 def test_gradients_are_all_reduced_once_per_optimizer_step(runs, name):
     backend, root = runs
     if name not in _scenarios(backend):
-        pytest.skip(f"{name}: a JAX DataParallel scenario")
+        pytest.skip(f"{name}: a JAX DataParallel or a torch compiled scenario")
     counts = _dump(root, "gang", name, 0)["fit_collectives"]
     updates = MICRO_STEPS // STEPS[name]
     assert counts.get("gradient all-reduce") == updates, (backend, name, counts)
+    if name in COMPILED:   # its logs are made global apart from the rows (`metrics.global_logs`)
+        return
     if backend == "tensorflow" or name in DATA_PARALLEL:
         # The window all-reduce is counted when it runs (TF: from the graph; JAX DataParallel:
         # a micro-step's program has no gradient collective); the step's small collectives (row

@@ -44,11 +44,14 @@ BASE = ["--verbose", "0", "--seed", "100", "--momentum", "0", "--evaluate-on", "
 SCENARIOS = {"plain": [], "bf16": ["--compression", "bf16"], "fp16": ["--compression", "fp16"],
              # torch's other gradient path: all-reduced after backward (also jit_compile, custom steps)
              "bf16_after_backward": ["--compression", "bf16", "--no-torch-overlap"],
+             # torch's compiled step: the bf16 all-reduce in its graph (`gradients.averaged_in_graph`)
+             "bf16_jit": ["--compression", "bf16", "--jit-compile"],
              # JAX's DataParallel path (a custom train_step): the step in shard_map, bf16 all-gathered
              "bf16_dataparallel": ["--compression", "bf16", "--custom-train-step"]}
 COMPRESSED = {"tensorflow": ("bf16", "fp16"), "jax": ("bf16", "fp16", "bf16_dataparallel"),
-              "torch": ("bf16", "fp16", "bf16_after_backward")}
-WIRE_TYPE = {"bf16": "bf16", "fp16": "fp16", "bf16_after_backward": "bf16", "bf16_dataparallel": "bf16"}
+              "torch": ("bf16", "fp16", "bf16_after_backward", "bf16_jit")}
+WIRE_TYPE = {"bf16": "bf16", "fp16": "fp16", "bf16_after_backward": "bf16", "bf16_dataparallel": "bf16",
+             "bf16_jit": "bf16"}
 BACKENDS = [pytest.param("tensorflow", marks=pytest.mark.tensorflow),
             pytest.param("jax", marks=pytest.mark.jax),
             pytest.param("torch", marks=pytest.mark.torch)]

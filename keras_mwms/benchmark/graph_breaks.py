@@ -9,22 +9,24 @@ one entry per reason, counted each time a frame is traced) before and after a bl
 
 Where keras_mwms' compiled step breaks today (torch 2.13, Keras 3.15.1):
 
-* `loss.backward()` in Keras' `train_step`: Dynamo traces it only with
+* `loss.backward()` in Keras' `train_step`, the one break left: Dynamo traces it only with
   `torch._dynamo.config.trace_autograd_ops=True`, which fails on Keras' layers in torch 2.13
-  (`AssertionError: 'self' not in cell_and_freevars` in plain Keras, a wrongly sized gradient
-  with the strategy), so it stays off;
-* with SGD, Keras' own torch update (`_foreach_add_(..., alpha=-learning_rate)` reads a tensor
-  as a number: "Data dependent operator"), inside Keras' `name_scope`, so Dynamo runs the rest
-  of that `apply` eagerly. Adam has no such break.
+  (Keras' `CallContext` is taken for a tensor: `AttributeError: 'Tensor' object has no
+  attribute 'set_value'` in `Layer.__call__`, reported through Keras' traceback filter as
+  `'self' not in cell_and_freevars`), so it stays off. `compiled_autograd` compiles the
+  backward but keeps this break. DDP + torch.compile breaks at its own `backward()` too.
 
-The gradient all-reduce is no break in its plain form (`jit_compile=True`, no accumulation, no
-LossScaleOptimizer, no per-worker BatchNormalization statistics): torch's functional
-collectives put it in the graph (`keras_mwms.backends.torch.gradients.averaged_in_graph`);
-otherwise it runs eagerly (`torch.compiler.disable`), one more break.
+Gone: Keras' torch SGD update (`_foreach_add_(..., alpha=-learning_rate)` read a tensor as a
+number, "Data dependent operator", in plain Keras too) is one custom op in the graph
+(`keras_mwms.backends.torch.compiled_sgd`); the gradient all-reduce, in its plain form
+(`jit_compile=True`, no accumulation, no LossScaleOptimizer, no per-worker BatchNormalization
+statistics), is in the graph through torch's functional collectives
+(`keras_mwms.backends.torch.gradients.averaged_in_graph`); otherwise it runs eagerly
+(`torch.compiler.disable`), one more break.
 
-The fit scenario of `tests/test_backend_torch.py` (SGD, 2 workers) records 2 reasons, 9 events
-(3 reasons, 8 events with the all-reduce outside the graph); the benchmark's MLP (Adam, 2
-workers) 3 events, `loss.backward()` alone (5 before), as many as DDP + torch.compile.
+The fit scenario of `tests/test_backend_torch.py` (SGD, 2 workers) and the benchmark's MLP
+(Adam, 2 workers) record `loss.backward()` alone, 3 events (SGD: 9 events and 2 reasons
+before `compiled_sgd`), as many as DDP + torch.compile.
 
 Example:
 

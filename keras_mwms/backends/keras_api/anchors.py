@@ -185,10 +185,14 @@ JAX_UTILS = Anchor("jax_utils", "module keras.src.utils.jax_utils",
 TORCH_ADAM = Anchor("torch_adam", "module keras.src.backend.torch.optimizers.torch_adam",
                     lambda: _optional_module("keras.src.backend.torch.optimizers.torch_adam"),
                     backends=("torch",), public=False)
+TORCH_SGD = Anchor("torch_sgd", "module keras.src.backend.torch.optimizers.torch_sgd",
+                   lambda: _optional_module("keras.src.backend.torch.optimizers.torch_sgd"),
+                   backends=("torch",), public=False)
 
 ANCHORS = (TRAINER, BASE_TRAINER, TRAINER_MODULE, VARIABLE, LOSS_MODULE, BASE_OPTIMIZER, BACKEND_OPTIMIZER,
            LOSS_SCALE_OPTIMIZER, MULTI_OPTIMIZER, LAYER, BATCH_NORMALIZATION, CALLBACK_LIST, MODEL_CHECKPOINT,
-           TENSORBOARD, DATA_ADAPTERS, STATELESS_SCOPE_MODULE, DISTRIBUTION_MODULE, JAX_UTILS, TORCH_ADAM)
+           TENSORBOARD, DATA_ADAPTERS, STATELESS_SCOPE_MODULE, DISTRIBUTION_MODULE, JAX_UTILS, TORCH_ADAM,
+           TORCH_SGD)
 """Every anchor, in the order ARCHITECTURE.md lists them."""
 
 

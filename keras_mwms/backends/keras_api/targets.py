@@ -32,6 +32,7 @@ from keras_mwms.backends.keras_api.anchors import (
     STATELESS_SCOPE_MODULE,
     TENSORBOARD,
     TORCH_ADAM,
+    TORCH_SGD,
     TRAINER,
     TRAINER_MODULE,
     VARIABLE,
@@ -119,6 +120,7 @@ LOSS_SCALE_APPLY = Target(LOSS_SCALE_OPTIMIZER, "apply", backends=TORCH)
 MULTI_OPTIMIZER_APPLY = Target(MULTI_OPTIMIZER, "apply", backends=TORCH)
 TORCH_ADAM_CLASS = Target(TORCH_ADAM, "Adam")
 TORCH_ADAM_UPDATE = Target(TORCH_ADAM, "Adam._parallel_update_step")
+TORCH_SGD_UPDATE = Target(TORCH_SGD, "SGD._parallel_update_step")
 
 # -- private methods and properties called through keras_api.attributes ----------------------
 # (their instance attributes exist only on real objects: tests/test_keras_api.py reads those)

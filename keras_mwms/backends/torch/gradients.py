@@ -134,8 +134,9 @@ def averaged_in_graph(backend: TorchEngine, grads: list) -> list:
     """`averaged_over_workers`' arithmetic in traceable form (`TorchEngine.all_reduce_in_graph`).
 
     The same payload, sums and divisions, so the same values as the eager form; the row count
-    and loss weight are Python numbers the compiled step guards on. Its bytes are recorded once,
-    when traced (`WireBytes.trace`): the graph sends them on every step.
+    and loss weight are Python numbers the compiled step guards on. Its bytes are counted by the
+    step, outside the graph (`in_graph_wire_bytes`): a count written while tracing is a global
+    Dynamo guards on, and `WIRE.reset()` then recompiled the step's backward and update.
     """
     present, payload, weight, rows = _row_weighted_gradients(backend.rows, grads)
     reference = grads[present[0]] if present else torch.zeros(())
@@ -143,12 +144,17 @@ def averaged_in_graph(backend: TorchEngine, grads: list) -> list:
     wires = [wire_dtype(backend.options.compression, tensor.dtype) for tensor in payload]
     sent = [tensor.to(getattr(torch, wire)) if wire else tensor for tensor, wire in zip(payload, wires)]
     *summed, totals = backend.all_reduce_in_graph([*sent, counts])
-    WIRE.trace("gradient all-reduce", sum(_wire_bytes(backend, tensor) for tensor in payload)
-               + counts.numel() * counts.element_size())
     averaged = list(grads)
     for i, total, tensor in zip(present, summed, payload):
         averaged[i] = total.to(tensor.dtype) / totals[0]
     return averaged
+
+
+def in_graph_wire_bytes(backend: TorchEngine, model) -> int:
+    """Bytes `averaged_in_graph` hands the engine per step: every trainable weight's gradient
+    (16-bit under compression) and the two exact counts."""
+    weights = model.trainable_weights
+    return sum(_wire_bytes(backend, variable.value) for variable in weights) + 2 * weights[0].value.element_size()
 
 
 @torch._dynamo.disable

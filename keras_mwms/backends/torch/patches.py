@@ -17,6 +17,7 @@ What a model created in the scope gets:
 * global-batch gradients in `optimizer.apply` and losses weighted by rows in `scale_loss`
   (`keras_mwms.backends.torch.gradients`); the optimizer keeps its fast torch class; Keras'
   torch Adam/AdamW update reuses two scratch buffers (`keras_mwms.backends.torch.fused_adam`);
+  its SGD update is one op in a compiled step's graph (`keras_mwms.backends.torch.compiled_sgd`);
 * global metric results (`keras_mwms.backends.torch.metrics`);
 * BatchNormalization over the global batch (`synchronized=True`, and an ordinary layer unless
   `CommunicationOptions(batch_norm_statistics="per_worker")`).
@@ -38,7 +39,7 @@ from keras_mwms import active
 from keras_mwms.backends import batch_norm, fit_call
 from keras_mwms.backends.keras_api import targets
 from keras_mwms.backends.patches import KerasHas, Patch, PatchTable
-from keras_mwms.backends.torch import data, fused_adam, gradients, metrics, step
+from keras_mwms.backends.torch import compiled_sgd, data, fused_adam, gradients, metrics, step
 from keras_mwms.backends.torch.state import STATE, backend_of, model_of
 
 _NO_HOOKS = "Keras' torch trainer has no distribution hooks (keras-team/keras#18870)"
@@ -201,6 +202,18 @@ def _adam_without_temporaries(original: Callable) -> Callable:
     return _parallel_update_step
 
 
+def _sgd_in_the_graph(original: Callable) -> Callable:
+    # Keras' `_parallel_update_step(self, grads, variables, learning_rate)`, spelled out:
+    # `inspect.signature(...).bind` is a graph break in a compiled step.
+    @functools.wraps(original)
+    def _parallel_update_step(self, grads, variables, learning_rate):
+        if model_of(self) is not None and compiled_sgd.applies(self, learning_rate):
+            return compiled_sgd.update(self, grads, variables, learning_rate)
+        return original(self, grads, variables, learning_rate)
+
+    return _parallel_update_step
+
+
 # Keras' torch trainer distributes by itself (new in 3.16): DDP and all-reduced metric results.
 _KERAS_DISTRIBUTES = KerasHas(targets.TORCH_INITIALIZE_DDP)
 _ROWS = f"{_NO_HOOKS}: each worker's loss is weighted by its shard's rows"
@@ -269,6 +282,13 @@ PATCHES = PatchTable("torch", [
           _adam_without_temporaries,
           "Keras' torch Adam/AdamW allocates five model-sized temporaries per update (5.4 vs 1.9 "
           "ms on the benchmark MLP): the same operations into two reused buffers, bit-identical",
+          parameters=("grads", "variables", "learning_rate")),
+    Patch("torch-sgd-update",
+          targets.TORCH_SGD_UPDATE,
+          _sgd_in_the_graph,
+          "Keras' torch SGD reads the learning rate as a Python number (`alpha=`), a graph break "
+          "under jit_compile=True: the same eager update as one custom op in the graph, "
+          "bit-identical",
           parameters=("grads", "variables", "learning_rate")),
 ])
 

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from keras_mwms.backends import policy
+from keras_mwms.backends.compression import WIRE
 from keras_mwms.backends.keras_api import attributes, internals
 from keras_mwms.backends.torch import accumulation, gradients, metrics
 from keras_mwms.backends.torch.overlap import OverlappedGradients
@@ -239,6 +240,7 @@ def _distributed_train_function(model, backend: TorchEngine, train_function):
             elif in_graph:   # its all-reduce runs inside the compiled graph: guard the graph
                 with backend.guarded("gradient all-reduce"):
                     logs, local_results = _run_step(model, train_function, data, rows)
+                WIRE.add(gradients.in_graph_wire_bytes(backend, model))
             else:
                 logs, local_results = _run_step(model, train_function, data, rows)
         finally:
