@@ -7,6 +7,13 @@
 | `plain Keras`                  | one process only: Keras' own `fit`, outside any strategy — the baseline of keras_mwms' one-process ratio |
 | `keras-nightly DataParallel`   | N workers: keras-nightly's torch trainer (it wraps the model in DDP when `torch.distributed` is up and all-reduces each metric variable per step), each worker fitting its shard; a gang of its own (role `keras_nightly`) over the overlay `make keras-nightly` installs |
 
+Each compiled fit starts from an empty TorchDynamo cache (`fresh_dynamo_cache`): Keras' torch
+step guards on the identity and name of the model and its layers, so every new model compiles
+its step again, and after 4 models in one process (2 cache entries each) Dynamo's
+`recompile_limit` (8) ran the rest of the process's `train_step`s eagerly, silently: the
+one-process rows of the conv net (the 5th–8th compiled model of a full run) were eager, with 0–1
+graph breaks, and made the 2-worker compiled step look 2–3× slower than one process.
+
 The compiled variants (their first steps are compilation) and the keras-nightly gang are left
 out of `--quick` (`make bench-quick` stays under its budget). Without the overlay the
 keras-nightly gang is skipped with `NIGHTLY_MISSING` in the report.
@@ -57,6 +64,22 @@ def nightly_gang_wanted(config: BenchmarkConfig, backend: str) -> bool:
             and nightly_overlay() is not None)
 
 
+def fresh_dynamo_cache() -> None:
+    """Forgets every step TorchDynamo compiled in this process, so the next fit compiles its own.
+
+    Without it, the benchmark's 5th compiled Keras model in one process runs eagerly (see the
+    module docstring). Example:
+
+    >>> import torch
+    >>> fresh_dynamo_cache()
+    >>> torch.compile(lambda x: x * 2, backend="eager")(torch.ones(1)).tolist()
+    [2.0]
+    """
+    import torch
+
+    torch._dynamo.reset()
+
+
 def _compiled_keras(keras, config: BenchmarkConfig, model_name: str):
     model = build_keras_model(keras, config, model_name)
     model.compile(optimizer=keras.optimizers.Adam(LEARNING_RATE),
@@ -78,6 +101,7 @@ def keras_mwms_jit_fit(strategy, config: BenchmarkConfig, model_name: str, repea
         model.fit(x, y, batch_size=config.global_batch, epochs=1, shuffle=False, verbose=0,
                   callbacks=callbacks)
 
+    fresh_dynamo_cache()
     with GraphBreaks() as breaks:
         timing = timed_keras_fit(keras, OURS_JIT, model_name, repeat, config, build, fit)
     timing.graph_breaks = breaks.count
@@ -102,6 +126,7 @@ def torch_ddp_compiled_fit(strategy, config: BenchmarkConfig, model_name: str, r
     """`peers.torch_ddp_fit`'s loop on `torch.compile` of the DDP-wrapped model (of the model alone)."""
     from keras_mwms.benchmark.graph_breaks import GraphBreaks
 
+    fresh_dynamo_cache()
     with GraphBreaks() as breaks:
         timing = peers.torch_ddp_fit(strategy, config, model_name, repeat, x, y, compiled=True)
     timing.graph_breaks = breaks.count
