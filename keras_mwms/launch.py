@@ -133,6 +133,8 @@ def _hold_tcp_and_udp(host: str, port: int, sockets: list[socket.socket]) -> int
     try:
         stream.bind((host, port))
     except OSError:
+        if port == 0:
+            raise   # no port at all on `host` (e.g. it does not resolve): the caller must not retry
         return None
     port = stream.getsockname()[1]
     datagram = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
