@@ -84,27 +84,45 @@ def find_free_ports(count: int, host: str = "localhost") -> list[int]:
 
     Example:
 
+    A port this process handed out in the last `_REISSUE_AFTER_SECONDS` is never offered again:
+    its gang may not listen on it yet, so two gangs started at once from one process (the test
+    suite's threads, the benchmark) cannot be given the same port.
+
     >>> ports = find_free_ports(2)
     >>> len(set(ports)) == 2 and all(1024 <= port <= 65535 for port in ports)
     True
+    >>> set(ports) & set(find_free_ports(2))
+    set()
     """
     sockets: list[socket.socket] = []
     ports: list[int] = []
-    try:
-        candidates = _ports_below_ephemeral_range()
-        for port in candidates:
-            if len(ports) == count:
-                break
-            if _hold_tcp_and_udp(host, port, sockets) is not None:
-                ports.append(port)
-        while len(ports) < count:     # no such range here, or all of the tries were taken
-            port = _hold_tcp_and_udp(host, 0, sockets)
-            if port is not None and port not in ports:
-                ports.append(port)
-    finally:
-        for sock in sockets:
-            sock.close()
+    with _GIVEN_LOCK:
+        now = time.monotonic()
+        for port, given in list(_GIVEN.items()):
+            if now - given > _REISSUE_AFTER_SECONDS:
+                del _GIVEN[port]
+        try:
+            candidates = _ports_below_ephemeral_range()
+            for port in candidates:
+                if len(ports) == count:
+                    break
+                if port not in _GIVEN and _hold_tcp_and_udp(host, port, sockets) is not None:
+                    ports.append(port)
+            while len(ports) < count:     # no such range here, or all of the tries were taken
+                port = _hold_tcp_and_udp(host, 0, sockets)
+                if port is not None and port not in ports and port not in _GIVEN:
+                    ports.append(port)
+        finally:
+            for sock in sockets:
+                sock.close()
+        _GIVEN.update((port, now) for port in ports)
     return ports
+
+
+# Ports `find_free_ports` handed out, with when: a gang can take minutes (imports) to listen.
+_GIVEN: dict[int, float] = {}
+_GIVEN_LOCK = threading.Lock()
+_REISSUE_AFTER_SECONDS = 900.0
 
 
 _FIRST_UNPRIVILEGED_CANDIDATE = 10000    # above most services' fixed ports

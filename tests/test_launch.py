@@ -247,6 +247,34 @@ def test_free_ports_and_exit_descriptions():
     assert describe_exit(-15) == "signal SIGTERM" and describe_exit(2) == "exit code 2"
 
 
+def test_free_ports_are_never_given_twice_to_gangs_started_at_once(monkeypatch):
+    """CI once gave two gangs started in threads the same chief port (17475): each found it free
+    before either listened, and one gang's worker joined the other's rendezvous. The span here is
+    so narrow that, without the process-wide record, 12 threads would collide almost surely."""
+    import random
+    import threading
+
+    from keras_mwms import launch
+
+    span = range(20000, 20048)
+    monkeypatch.setattr(launch, "_ports_below_ephemeral_range",
+                        lambda: random.SystemRandom().sample(span, len(span)))
+    given: list[list[int]] = []
+    start = threading.Barrier(12)
+
+    def take():
+        start.wait(timeout=30)
+        given.append(find_free_ports(2))
+
+    threads = [threading.Thread(target=take) for _ in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    ports = [port for pair in given for port in pair]
+    assert len(given) == 12 and len(set(ports)) == len(ports), given
+
+
 def test_cli_tf_config_prints_valid_json():
     completed = subprocess.run(
         [sys.executable, "-m", "keras_mwms.cli", "tf-config", "--workers", "n1:2222,n2:2222",
