@@ -8,7 +8,10 @@
   prefix (`ip netns exec NS`) the test chooses itself;
 * `run_one_process`: one process without TF_CONFIG, e.g. the single-process reference;
 * `start_processes`: `run_processes` in the background (a reference beside the gangs), joined later;
-* `run_launcher`: the `python -m keras_mwms.launch` command line itself.
+* `run_launcher`: the `python -m keras_mwms.launch` command line itself;
+* `concurrently`: independent runs (gangs, launcher runs, lone processes) a few at a time, for
+  runs that leave a core idle (restarts, sleeps, a lone process), with `selected_params` to run
+  only the cases the session selected.
 
 Each puts a deadline on the whole run and kills every process group at the end, also on an
 exception; what the processes printed is returned, or attached to the failure.
@@ -24,11 +27,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from keras_mwms.launch import Gang, _die_with_parent, find_free_ports
+
+# How many independent runs `concurrently` starts at once by default: on 2 cores, three runs that
+# each leave a core idle part of the time (a restart, a sleep, a lone reference) keep both busy.
+AT_ONCE = 3
 
 REPO = Path(__file__).resolve().parent.parent
 WORKERS_DIR = Path(__file__).resolve().parent / "workers"
@@ -370,3 +378,40 @@ def run_one_process(command: Sequence[str], timeout: float, env: dict[str, str] 
     result = run_processes([Spawn(command, env or {})], timeout)
     assert result.codes[0] == 0, result.log()
     return result.outputs[0]
+
+
+def concurrently(function: Callable, jobs: Iterable[Hashable], at_once: int = AT_ONCE) -> dict:
+    """Runs `function(job)` for every job in threads, `at_once` at a time; returns {job: result}.
+
+    For independent runs that each wait part of the time (a restart, a sleep, a hang threshold,
+    a lone reference process): overlapping them keeps the cores busy. Each run stays bounded by
+    its own timeouts; every job runs to its end, then the first failed job's exception (in the
+    jobs' order) is raised. Create `tmp_path_factory` folders before: it is not thread-safe.
+
+        runs = concurrently(lambda backend: run_gang(command, 2, 300, env=worker_env(backend)),
+                            ["tensorflow", "jax", "torch"])
+    """
+    jobs = list(jobs)
+    with ThreadPoolExecutor(max_workers=max(1, at_once)) as pool:
+        futures = {job: pool.submit(function, job) for job in jobs}
+        for future in futures.values():   # all end (bounded) before the first error is raised
+            future.exception()
+    return {job: future.result() for job, future in futures.items()}
+
+
+def selected_params(request, *names: str) -> list:
+    """The values of the parameters `names` among the selected tests of the requesting fixture's
+    module, in collection order, once each (one name: its values; several: tuples). A module
+    fixture that runs every case at once (`concurrently`) runs only those `-k`/`-m` left.
+
+        backends = selected_params(request, "backend")                 # ["jax", "torch"]
+        cases = selected_params(request, "guide", "backend")           # [("a.py", "jax"), ...]
+    """
+    values = []
+    for item in request.session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if getattr(item, "module", None) is request.module and all(name in params for name in names):
+            value = params[names[0]] if len(names) == 1 else tuple(params[name] for name in names)
+            if value not in values:
+                values.append(value)
+    return values

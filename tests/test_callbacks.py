@@ -1,6 +1,7 @@
 """keras_mwms.callbacks end to end: real workers, real kills, the real launcher's restarts.
 
-For each backend one module-scoped set of runs (two at a time) of `tests/workers/resume_scenario.py`:
+For each backend one module-scoped set of runs of `tests/workers/resume_scenario.py` (every
+backend's runs and lone scripts three at a time, `tests.multiworker.concurrently`):
 an uninterrupted reference (with ModelCheckpoint and TensorBoard), a worker SIGKILLed
 mid-epoch with `save_freq="epoch"` (under Keras' own `keras.callbacks.BackupAndRestore`, which
 keras_mwms runs as its own), one SIGKILLed mid-epoch with `save_freq=4`, and the chief
@@ -12,15 +13,23 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
-from tests.multiworker import REPO, WORKERS_DIR, python_worker, run_gang, run_launcher, worker_env
+from tests.multiworker import (
+    WORKERS_DIR,
+    ProcessesResult,
+    Spawn,
+    concurrently,
+    python_worker,
+    run_gang,
+    run_launcher,
+    run_processes,
+    selected_params,
+    worker_env,
+)
 from tests.workers.common import load_result, load_weights, max_weight_difference
 
 BACKENDS = ["tensorflow", "jax", "torch"]
@@ -34,6 +43,8 @@ FAULTS = {
     "kill_during_save": ["--kill-during-save", "2", "--double-checkpoint"],
     "sigterm": ["--sigterm-at-step", "7", "--sigterm-worker", "1", "--preemption-check-steps", "4"],
 }
+# Single-process scripts (no TF_CONFIG), run in the same pool as the launcher runs.
+LONE_SCRIPTS = ("callbacks_single.py", "backup_corruption.py")
 
 
 def epochs_logged(out_dir, worker):
@@ -42,27 +53,40 @@ def epochs_logged(out_dir, worker):
         return [json.loads(line) for line in handle]
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def runs(request, tmp_path_factory):
-    """The backend's five runs, two at a time (a restart's stop and start leave a core idle)."""
-    backend = request.param
-    root = tmp_path_factory.mktemp(f"callbacks-{backend}")
+@pytest.fixture(scope="module")
+def all_runs(request, tmp_path_factory):
+    """Every selected backend's five launcher runs and its lone scripts (`LONE_SCRIPTS`), three
+    at a time across backends: a restart's stop and start, and a lone process, leave a core idle.
+    Keyed (backend, fault name or script)."""
+    fault_jobs = [(backend, name) for backend in selected_params(request, "runs") for name in FAULTS]
+    lone_jobs = [(backend, script) for backend in selected_params(request, "backend") for script in LONE_SCRIPTS]
+    roots = {backend: tmp_path_factory.mktemp(f"callbacks-{backend}") for backend, _ in fault_jobs}
     seconds = {}
 
-    def run(name):
-        out, backup = root / name, root / f"{name}-backup"
+    def run(job):
+        backend, name = job
+        if name in LONE_SCRIPTS:   # no TF_CONFIG; checked by its own test (`result_lines`)
+            return run_processes([Spawn(python_worker(name), worker_env(backend))], timeout=300)
+        out, backup = roots[backend] / name, roots[backend] / f"{name}-backup"
         started = time.monotonic()
         result = run_launcher(
             ["--workers", "2", "--max-restarts", "0" if name == "reference" else "1", "--grace-period", "3"],
             [SCENARIO, "--out", str(out), "--backup", str(backup), *FAULTS[name]],
             timeout=RUN_TIMEOUT, env=worker_env(backend))
-        seconds[name] = time.monotonic() - started
+        seconds[job] = time.monotonic() - started
         return out, backup, result
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = dict(zip(FAULTS, pool.map(run, FAULTS)))
-    print_fault_table(backend, results, seconds)
-    return backend, results
+    results = concurrently(run, fault_jobs + lone_jobs)
+    for backend in dict.fromkeys(backend for backend, _ in fault_jobs):
+        print_fault_table(backend, {name: results[(backend, name)] for name in FAULTS},
+                          {name: seconds[(backend, name)] for name in FAULTS})
+    return results
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def runs(request, all_runs):
+    """One backend's five runs, {fault name: (out, backup, LaunchResult)}."""
+    return request.param, {name: all_runs[(request.param, name)] for name in FAULTS}
 
 
 def print_fault_table(backend, results, seconds):
@@ -135,19 +159,15 @@ def test_model_checkpoint_best_only_is_written_by_the_chief_alone(runs):
     assert (out / "tb_w0" / "train").is_dir()
 
 
-def single_process_results(script: str, backend: str) -> list[list[str]]:
-    """Runs a single-process worker script (no TF_CONFIG); returns its `RESULT ...` lines, split."""
-    env = {key: value for key, value in os.environ.items() if key != "TF_CONFIG"}
-    completed = subprocess.run([sys.executable, str(WORKERS_DIR / script)], cwd=REPO,
-                               capture_output=True, text=True, timeout=300,
-                               env={**env, **worker_env(backend)})
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    return [line.split()[1:] for line in completed.stdout.splitlines() if line.startswith("RESULT")]
+def result_lines(ran: ProcessesResult) -> list[list[str]]:
+    """A lone script's `RESULT ...` lines, split; fails with its output unless it exited 0."""
+    assert ran.codes == [0], ran.log(3000)
+    return [line.split()[1:] for line in ran.outputs[0].splitlines() if line.startswith("RESULT")]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_keras_docstring_interrupt_and_resume_example(backend):
-    assert single_process_results("callbacks_single.py", backend)[0] == ["6", "6"]
+def test_keras_docstring_interrupt_and_resume_example(backend, all_runs):
+    assert result_lines(all_runs[(backend, "callbacks_single.py")])[0] == ["6", "6"]
 
 
 def test_backup_write_is_atomic_and_keeps_the_previous_one(tmp_path):
@@ -167,8 +187,8 @@ def test_backup_write_is_atomic_and_keeps_the_previous_one(tmp_path):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_corrupted_backup_falls_back_and_unwritable_dir_is_a_clear_error(backend):
-    lines = single_process_results("backup_corruption.py", backend)
+def test_corrupted_backup_falls_back_and_unwritable_dir_is_a_clear_error(backend, all_runs):
+    lines = result_lines(all_runs[(backend, "backup_corruption.py")])
     results = dict(line[:2] for line in lines)
     assert results == {"fallback_first_epoch": "2", "fallback_warned": "True",
                        "corrupt_error": "True", "unwritable": "True"}, lines

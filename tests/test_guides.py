@@ -1,14 +1,25 @@
-"""Every runnable guide runs top to bottom (smoke mode) on every backend and asserts its claim."""
+"""Every runnable guide runs top to bottom (smoke mode) on every backend and asserts its claim.
+
+The guides run three at a time (`tests.multiworker.concurrently`): each starts its gangs and
+its one-process comparison one after the other, so a lone process or a restart leaves a core idle.
+"""
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 
-from tests.multiworker import REPO, worker_env
+from tests.multiworker import (
+    REPO,
+    ProcessesResult,
+    Spawn,
+    concurrently,
+    run_processes,
+    selected_params,
+    worker_env,
+)
 
 GUIDES = sorted(path for path in os.listdir(REPO / "guides") if path.endswith(".py"))
 BACKENDS = ["tensorflow", "jax", "torch"]
@@ -28,12 +39,22 @@ def test_readme_links_every_guide():
         assert f"guides/{name}" in readme, f"README does not link {name}"
 
 
+def _run_guide(guide: str, backend: str, tmp_path) -> ProcessesResult:
+    env = {**worker_env(backend), "KERAS_MWMS_GUIDE_SMOKE": "1", "TMPDIR": str(tmp_path)}
+    return run_processes([Spawn([sys.executable, str(REPO / "guides" / guide)], env)], timeout=900)
+
+
+@pytest.fixture(scope="module")
+def guide_runs(request, tmp_path_factory) -> dict:
+    """Every selected (guide, backend) run, three at a time, each in its own TMPDIR."""
+    jobs = selected_params(request, "guide", "backend")
+    folders = {job: tmp_path_factory.mktemp(f"{job[0][:-3]}-{job[1]}") for job in jobs}
+    return concurrently(lambda job: _run_guide(*job, folders[job]), jobs)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("guide", GUIDES)
-def test_guide_runs(guide, backend, tmp_path):
-    env = {**os.environ, **worker_env(backend), "KERAS_MWMS_GUIDE_SMOKE": "1", "TMPDIR": str(tmp_path)}
-    env.pop("TF_CONFIG", None)
-    completed = subprocess.run([sys.executable, str(REPO / "guides" / guide)], cwd=REPO, env=env,
-                               capture_output=True, text=True, timeout=900)
-    assert completed.returncode == 0, completed.stdout[-6000:] + completed.stderr[-6000:]
+def test_guide_runs(guide, backend, guide_runs):
+    ran = guide_runs[(guide, backend)]
+    assert ran.codes == [0], ran.log(12000)

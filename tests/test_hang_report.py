@@ -25,7 +25,6 @@ import sys
 import textwrap
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
@@ -35,7 +34,7 @@ from keras_mwms.diagnostics.channel import Channel, decode, encode
 from keras_mwms.diagnostics.ledger import Ledger, counted_in_graph
 from keras_mwms.diagnostics.watchdog import Watchdog
 from keras_mwms.launch import find_free_ports
-from tests.multiworker import REPO, WORKERS_DIR, run_launcher, worker_env
+from tests.multiworker import REPO, WORKERS_DIR, concurrently, run_launcher, selected_params, worker_env
 
 BACKENDS = ("tensorflow", "jax", "torch")
 FAULTS = ("data", "desync", "sigstop", "chief-evaluate")
@@ -337,13 +336,11 @@ def _run(backend: str, fault: str, out: str) -> Run:
 
 
 @pytest.fixture(scope="module")
-def hang_runs(tmp_path_factory):
-    """All twelve gangs, three at a time, keyed (backend, fault)."""
-    jobs = [(backend, fault) for fault in FAULTS for backend in BACKENDS]
+def hang_runs(request, tmp_path_factory):
+    """The selected gangs (all twelve in a full run), three at a time, keyed (backend, fault)."""
+    jobs = selected_params(request, "backend", "fault")
     outs = {job: str(tmp_path_factory.mktemp(f"hang_{job[0]}_{job[1]}")) for job in jobs}
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        futures = {job: pool.submit(_run, *job, outs[job]) for job in jobs}
-        runs = {job: future.result() for job, future in futures.items()}
+    runs = concurrently(lambda job: _run(*job, outs[job]), jobs)
     yield runs
     print(f"\nhang report times (threshold {THRESHOLD} s, bound {BOUND} s from the fault to the launcher's exit):")
     for row in TABLE:

@@ -14,11 +14,10 @@ import json
 import os
 import sys
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.multiworker import WORKERS_DIR, watch_gang, worker_env
+from tests.multiworker import WORKERS_DIR, concurrently, selected_params, watch_gang, worker_env
 
 BACKENDS = ("tensorflow", "jax", "torch")
 MODES = ("outside", "before")
@@ -34,12 +33,11 @@ def _gang(backend: str, mode: str, out: str):
 
 
 @pytest.fixture(scope="module")
-def gangs(tmp_path_factory):
-    jobs = [(backend, mode) for mode in MODES for backend in BACKENDS]
+def gangs(request, tmp_path_factory):
+    """The selected (backend, mode) gangs, three at a time."""
+    jobs = selected_params(request, "backend", "mode")
     outs = {job: str(tmp_path_factory.mktemp(f"scope_{job[0]}_{job[1]}")) for job in jobs}
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        futures = {job: pool.submit(_gang, *job, outs[job]) for job in jobs}
-        runs = {job: (future.result(), outs[job]) for job, future in futures.items()}
+    runs = {job: (run, outs[job]) for job, run in concurrently(lambda job: _gang(*job, outs[job]), jobs).items()}
     yield runs
     print("\nmodel outside the scope: seconds from fit (or the strategy) to the error, per worker:")
     for line in TIMES:

@@ -15,12 +15,11 @@ import glob
 import os
 import sys
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from keras_mwms.diagnostics.straggler import REPORT_ENV, format_report, stragglers, worth_printing
-from tests.multiworker import REPO, WORKERS_DIR, run_launcher, worker_env
+from tests.multiworker import REPO, WORKERS_DIR, concurrently, run_launcher, selected_params, worker_env
 
 sys.path.insert(0, str(REPO / "tests" / "workers"))
 import common  # noqa: E402
@@ -67,11 +66,12 @@ def _run(backend: str, out: str):
 
 
 @pytest.fixture(scope="module")
-def straggler_runs(tmp_path_factory):
-    outs = {backend: str(tmp_path_factory.mktemp(f"straggler_{backend}")) for backend in BACKENDS}
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        futures = {backend: pool.submit(_run, backend, outs[backend]) for backend in BACKENDS}
-        return {backend: (future.result(), outs[backend]) for backend, future in futures.items()}
+def straggler_runs(request, tmp_path_factory):
+    """The selected backends' runs, all at once."""
+    backends = selected_params(request, "backend")
+    outs = {backend: str(tmp_path_factory.mktemp(f"straggler_{backend}")) for backend in backends}
+    runs = concurrently(lambda backend: _run(backend, outs[backend]), backends)
+    return {backend: (run, outs[backend]) for backend, run in runs.items()}
 
 
 @pytest.mark.slow
