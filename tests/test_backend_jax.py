@@ -1,9 +1,9 @@
 """Multi-process acceptance tests of the JAX backend (`keras_mwms/backends/jax/`).
 
 Each scenario runs `tests/workers/fit_scenario.py` once as a real gang (fit + evaluate + predict
-+ dumps); one process without TF_CONFIG runs every scenario's single-process reference, one
-after another (`--scenario`), in the background while the gangs run. The tests compare the
-dumps with numpy only, so this pytest process never imports JAX or Keras.
++ dumps), two gangs at a time; one process without TF_CONFIG runs every scenario's single-process
+reference, one after another (`--scenario`), in the background while the gangs run. The tests
+compare the dumps with numpy only, so this pytest process never imports JAX or Keras.
 """
 
 from __future__ import annotations
@@ -15,7 +15,16 @@ import sys
 import numpy as np
 import pytest
 
-from tests.multiworker import Spawn, python_worker, run_gang, start_processes, watch_gang, worker_env
+from tests.multiworker import (
+    Spawn,
+    concurrently,
+    python_worker,
+    run_gang,
+    start_processes,
+    watch_gang,
+    worker_env,
+)
+from tests.workers.common import load_result
 from tests.workers.fit_scenario import load_dump
 
 pytestmark = [pytest.mark.jax, pytest.mark.slow]
@@ -78,23 +87,25 @@ def _reference_command(out: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def scenario_runs(tmp_path_factory):
-    """Runs every scenario's gang once, the references in one process beside them; returns
-    {name: (reference, [worker dumps])}."""
+    """Runs every scenario's gang once, two at a time, the references in one process beside them;
+    returns {name: (reference, [worker dumps])}."""
     reference_dir = tmp_path_factory.mktemp("references")
-    runs = {}
+    gang_dirs = {name: tmp_path_factory.mktemp(f"{name}_gang") for name in SCENARIOS}
+
+    def gang(name):
+        spec = SCENARIOS[name]
+        result = run_gang(_fit_scenario(str(gang_dirs[name]), *spec["args"]), spec["workers"],
+                          GANG_TIMEOUT, env=worker_env("jax", **spec.get("env", {})))
+        assert result.returncode == 0, result.output[-8000:]
+        return [load_dump(str(gang_dirs[name]), index) for index in range(spec["workers"])]
+
     with start_processes([Spawn(_reference_command(str(reference_dir)), worker_env("jax"))],
                          REFERENCE_TIMEOUT * len(REFERENCED)) as references:
-        for name, spec in SCENARIOS.items():
-            gang_dir = tmp_path_factory.mktemp(f"{name}_gang")
-            result = run_gang(_fit_scenario(str(gang_dir), *spec["args"]), spec["workers"],
-                              GANG_TIMEOUT, env=worker_env("jax", **spec.get("env", {})))
-            assert result.returncode == 0, result.output[-8000:]
-            runs[name] = (None, [load_dump(str(gang_dir), index) for index in range(spec["workers"])])
+        gangs = concurrently(gang, SCENARIOS, at_once=2)
         ran = references.result()
     assert ran.codes == [0], ran.log()
-    for name in REFERENCED:
-        runs[name] = (load_dump(str(reference_dir / name), 0), runs[name][1])
-    return runs
+    return {name: (load_dump(str(reference_dir / name), 0) if name in REFERENCED else None, workers)
+            for name, workers in gangs.items()}
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -164,6 +175,37 @@ def test_peer_killed_mid_epoch_survivors_name_it(tmp_path):
         assert f"lost worker 1 (worker:1 at {watched.addresses[1]})" in outputs[survivor], log
         assert "worker 0 (" not in outputs[survivor].split("lost ", 1)[1].split(" during")[0], log
         assert "worker 2 (" not in outputs[survivor].split("lost ", 1)[1].split(" during")[0], log
+
+
+def test_a_remote_peer_is_named_lost_only_when_jax_knows_it(tmp_path):
+    """`JaxFaults.gone` on the real coordination service, each worker taking its peer for a
+    remote one (`tests/workers/jax_remote_peers.py`): a living remote peer is never named (the
+    chief used to be, whenever it had not checked in yet), and asking costs no wait."""
+    gang = run_gang(python_worker("jax_remote_peers.py", str(tmp_path)), 2, 120, env=worker_env("jax"))
+    assert gang.returncode == 0, gang.output[-5000:]
+    chief, worker = (load_result(str(tmp_path), index) for index in (0, 1))
+    log = f"{chief}\n{worker}\n{gang.output[-3000:]}"
+    assert "error" not in chief and "error" not in worker, log
+    assert chief["answers"]["remote worker 1 alive"][0] == [], log
+    assert worker["answers"]["remote chief alive"][0] == [], log
+    assert chief["answers"]["remote worker 1 alive"][1] < 1.0, log   # no barrier, no wait
+    assert worker["answers"]["remote chief alive"][1] < 5.0, log     # one read of the service
+
+
+def test_a_chief_working_on_after_the_last_collective_ends_cleanly(tmp_path):
+    """The chief works alone for longer than JAX's shutdown barrier waits (as when it saves a large
+    model) while worker 1's script ends: both exit 0 and the chief finishes its work; worker 1
+    says whom it waits for (`JaxFaults.leave_together`). Before, the chief was aborted mid-work."""
+    from keras_mwms.backends.jax.engine import SHUTDOWN_TIMEOUT_SECONDS
+    from keras_mwms.backends.jax.faults import LEAVING_NOTICE_SECONDS
+
+    seconds = max(SHUTDOWN_TIMEOUT_SECONDS, LEAVING_NOTICE_SECONDS) + 10   # worker 1 may start waiting late
+    gang = run_gang(python_worker("jax_leaving.py", str(tmp_path), str(seconds)), 2, GANG_TIMEOUT,
+                    env=worker_env("jax"))
+    log = gang.output[-5000:]
+    assert gang.returncode == 0, log
+    assert all(load_result(str(tmp_path), index)["completed"] for index in (0, 1)), log
+    assert "worker 1 finished its script and waits for worker 0 to finish its own" in log, log
 
 
 if __name__ == "__main__":

@@ -5,9 +5,10 @@ Start-up (after keras_mwms' rendezvous, before any JAX computation):
 1. choose the collective engine: AUTO → NCCL on GPU, gloo on CPU; RING → gloo; NCCL on a CPU
    machine → a warning and gloo;
 2. `jax.distributed.initialize` on the chief's `TF_CONFIG` address (the rendezvous has just
-   released that port), with bounded initialization, heartbeat and shutdown timeouts; the
-   coordination service listens on the chief's `TF_CONFIG` host, and gloo on each worker's
-   `TF_CONFIG` host, when those are addresses of the machine (else JAX's defaults);
+   released that port), with bounded initialization, heartbeat (`heartbeat_timeout_seconds`) and
+   shutdown timeouts; the coordination service listens on the chief's `TF_CONFIG` host, and
+   gloo on each worker's `TF_CONFIG` host, when those are addresses of the machine (else JAX's
+   defaults);
 3. choose the training path (`CommunicationOptions.jax_path`, see
    `keras_mwms.backends.jax.step`):
 
@@ -55,7 +56,10 @@ from keras_mwms.log import get_logger
 
 logger = get_logger(__name__)
 DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = 120.0
-HEARTBEAT_TIMEOUT_SECONDS = 20
+# JAX's coordination service aborts every worker when one has sent no heartbeat for this long.
+# It follows `CommunicationOptions.timeout_seconds` (`heartbeat_timeout_seconds`), never below
+# this floor: a short stall of a loaded machine must not end a healthy job.
+MIN_HEARTBEAT_TIMEOUT_SECONDS = 10
 SHUTDOWN_TIMEOUT_SECONDS = 20
 
 
@@ -181,10 +185,11 @@ class JaxBackend(Backend):
     def leave(self) -> None:
         """Unsets the DataParallel distribution and shuts `jax.distributed` down (every worker must call it).
 
-        `jax.distributed.shutdown()` is a barrier of all workers, so it is skipped after a lost
-        peer or a failure on this worker (it would wait for the dead peer; the exit hook then
-        ends the process without it). JAX cannot start again in this process: after `close()`
-        create no new strategy, start a new process.
+        `jax.distributed.shutdown()` is a barrier of all workers with a short timeout, so every
+        worker first waits until the others have finished too (`JaxFaults.leave_together`); it is
+        skipped after a lost peer or a failure on this worker (it would wait for the dead peer;
+        the exit hook then ends the process without it). JAX cannot start again in this
+        process: after `close()` create no new strategy, start a new process.
         """
         if not self._joined:
             return
@@ -193,7 +198,8 @@ class JaxBackend(Backend):
             import keras
 
             keras.distribution.set_distribution(None)
-        if self._owns_distributed and not self.faults.lost and self.faults.failed is None:
+        if (self._owns_distributed and not self.faults.lost and self.faults.failed is None
+                and self.faults.leave_together()):
             import jax
 
             jax.distributed.shutdown()
@@ -441,7 +447,7 @@ def initialize_distributed(backend: Backend) -> bool:
         num_processes=backend.num_workers,
         process_id=backend.worker_index,
         initialization_timeout=int(max(10, backend.collective_timeout_seconds)),
-        heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_SECONDS,
+        heartbeat_timeout_seconds=heartbeat_timeout_seconds(backend.collective_timeout_seconds),
         shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_SECONDS,
         coordinator_bind_address=coordinator_bind_address(backend.resolver),
         # This worker's GPUs, always explicit on GPUs: left unset, JAX would infer them from
@@ -451,6 +457,23 @@ def initialize_distributed(backend: Backend) -> bool:
     if gloo:
         bind_gloo_to_tf_config_host(backend.resolver)   # before the first jax.devices()
     return True
+
+
+def heartbeat_timeout_seconds(collective_timeout_seconds: float) -> int:
+    """How long JAX's coordination service lets a worker go without a heartbeat before it aborts
+    the job: the collective timeout (`CommunicationOptions.timeout_seconds`, default
+    `DEFAULT_COLLECTIVE_TIMEOUT_SECONDS`), at least `MIN_HEARTBEAT_TIMEOUT_SECONDS`.
+
+    One bound for a silent peer: a hung worker ends the job after `timeout_seconds`, as a
+    collective waiting on it would, and the hang report (default 60 s, below the default 120 s)
+    names it first. A 20 s heartbeat once aborted a healthy 2-worker CI job whose host stalled.
+
+    Example:
+
+    >>> heartbeat_timeout_seconds(DEFAULT_COLLECTIVE_TIMEOUT_SECONDS), heartbeat_timeout_seconds(30.5), heartbeat_timeout_seconds(2)
+    (120, 30, 10)
+    """
+    return max(MIN_HEARTBEAT_TIMEOUT_SECONDS, int(collective_timeout_seconds))
 
 
 def coordinator_bind_address(resolver) -> str | None:

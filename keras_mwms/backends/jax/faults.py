@@ -4,8 +4,8 @@ A gloo or coordination-service failure says little about *who* failed ("Connecti
 peer"). At start-up every worker publishes its host and process id through JAX's coordination
 service; when a collective fails with an error that looks like a lost peer, the survivors check
 in on the coordination service's key-value store, and a peer that has not is lost once JAX
-knows it is gone: a local peer whose process is gone, a remote one the coordination service no
-longer lists as live (retrying for `window_seconds`).
+knows it is gone: a local peer whose process is gone, a remote chief whose coordination service
+no longer answers (retrying for `window_seconds`).
 
 JAX cannot leave a broken cluster cleanly: its shutdown barrier waits for the dead peer. So the
 interpreter's exit skips it (`exit_now_if_lost`, registered after JAX's own exit hook so it runs
@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from keras_mwms.backends.faults import Faults, bounded
+from keras_mwms.backends.faults import POLL_SECONDS, Faults, bounded
 from keras_mwms.diagnostics import LEDGER
 from keras_mwms.errors import WorkerLostError
 from keras_mwms.log import get_logger
@@ -41,6 +41,12 @@ logger = get_logger(__name__)
 
 LOST_WORKER_EXIT_CODE = 3
 CHIEF_LINGER_SECONDS = 6.0
+# Leaving (`JaxFaults.leave_together`): each worker's key, its values, and how often a worker
+# that waits for a peer still at work says so.
+LEAVING_KEY = "keras_mwms/leaving/"
+IDENTITY_KEY = "keras_mwms/identity/"   # + index: each worker's host and pid, set at start-up
+DONE, FAILED = "done", "failed"
+LEAVING_NOTICE_SECONDS = 30.0
 _LOST_PEER_WORDS = ("Gloo", "gloo", "Connection reset", "connection", "Connection closed", "UNAVAILABLE",
                     "heartbeat", "Socket", "socket", "DEADLINE_EXCEEDED", "Broken pipe", "peer")
 
@@ -73,16 +79,17 @@ class JaxFaults(Faults):
         self.peers: dict[int, dict] = {}
         self.lost = False
         self.failed: str | None = None   # "<Error> in model.fit" when the user's call raised here
+        self.left: bool | None = None    # `leave_together`'s answer, once asked
 
     # -- start-up --------------------------------------------------------------------------
     def publish_identity(self) -> None:
         """Shares (host, pid) of every worker, so a lost local peer can be named at once."""
         client = coordination_client()
         me = {"host": socket.gethostname(), "pid": os.getpid()}
-        client.key_value_set(f"keras_mwms/identity/{self.backend.worker_index}", json.dumps(me))
+        client.key_value_set(f"{IDENTITY_KEY}{self.backend.worker_index}", json.dumps(me))
         timeout_ms = int(self.backend.collective_timeout_seconds * 1000)
         for index in range(self.backend.num_workers):
-            text = client.blocking_key_value_get(f"keras_mwms/identity/{index}", timeout_ms)
+            text = client.blocking_key_value_get(f"{IDENTITY_KEY}{index}", timeout_ms)
             self.peers[index] = json.loads(text)
 
     # -- failures --------------------------------------------------------------------------
@@ -130,36 +137,45 @@ class JaxFaults(Faults):
         return found
 
     def gone(self, ranks: list[int]) -> list[int]:
-        """Local peers whose process is gone; remote ones the coordination service no longer lists."""
+        """Local peers whose process is gone; the chief, when it is remote and the coordination
+        service it hosts no longer answers.
+
+        JAX cannot tell quickly whether another remote peer died: its service learns of a death
+        only after the heartbeat timeout (`engine.heartbeat_timeout_seconds`), and its
+        `get_live_nodes` is a barrier of the listed tasks (each must call it, the caller too).
+        Such a peer is not named here; JAX's own abort names it after that timeout.
+        """
         here = socket.gethostname()
         ranks = [rank for rank in ranks if rank in self.peers]
         dead = [rank for rank in ranks if self.peers[rank].get("host") == here
                 and not process_alive(int(self.peers[rank]["pid"]))]
-        remote = [rank for rank in ranks if self.peers[rank].get("host") != here]
-        if remote:
-            live = self._live_nodes(remote)
-            dead += [rank for rank in remote if rank not in live]
-        return dead
+        if 0 in ranks and self.peers[0].get("host") != here and not self._coordinator_answers():
+            dead.append(0)
+        return sorted(dead)
 
-    def _live_nodes(self, indices: list[int]) -> set[int]:
-        result: dict = {}
+    @staticmethod
+    def _coordinator_answers() -> bool:
+        """Whether the coordination service (in the chief) answers a read within 5 s."""
+        answered: list[bool] = []
 
         def ask():
             try:
-                result.update(coordination_client().get_live_nodes(indices))
+                coordination_client().key_value_try_get(f"{IDENTITY_KEY}0")   # set at start-up
+                answered.append(True)
             except Exception:  # noqa: BLE001 - an unreachable coordinator means the chief is gone
-                result["error"] = True
+                pass
 
-        if not bounded(ask, 5.0) or "error" in result:
-            return set(indices) - {0}
-        return {int(index) for index in result}
+        bounded(ask, 5.0)
+        return bool(answered)
 
     def abandon(self) -> None:
         self.lost = True
 
     # -- exit ------------------------------------------------------------------------------
     def exit_now_if_lost(self) -> None:
-        """Interpreter exit hook: leaves without JAX's shutdown barrier after a lost peer or a failure here."""
+        """Interpreter exit hook: leaves without JAX's shutdown barrier after a lost peer or a
+        failure here; otherwise waits until every worker has finished its script
+        (`leave_together`), so that barrier never times out on a worker still at work."""
         if not self.lost and self.failed is not None:
             # fit/evaluate/predict raised here (e.g. in a callback) and the caller did not recover:
             # JAX's shutdown barrier would hold this exit ~20 s while the peers wait in their next
@@ -167,6 +183,7 @@ class JaxFaults(Faults):
             # so every peer raises WorkerLostError naming this worker at once.
             logger.error(f"keras_mwms: worker {self.backend.worker_index} exits without JAX's shutdown "
                          f"barrier after {self.failed}")
+            self._announce_leaving(FAILED)
             _exit(1)
         if self.lost:
             if self.backend.is_chief:
@@ -174,6 +191,63 @@ class JaxFaults(Faults):
                 # survivors abort inside JAX before they could name the lost worker.
                 time.sleep(CHIEF_LINGER_SECONDS)
             _exit(LOST_WORKER_EXIT_CODE)
+        if not self.leave_together():
+            _exit(0)   # a peer ended without the barrier: JAX's would wait for it, then abort
+
+    def leave_together(self) -> bool:
+        """Marks this worker as leaving and waits until every other worker has too; True then,
+        False when a peer ended without JAX's shutdown barrier (then this worker must skip it).
+
+        Called once, before `jax.distributed.shutdown()` (`strategy.close()`, or the interpreter's
+        exit). That barrier gives the workers `SHUTDOWN_TIMEOUT_SECONDS` to arrive, so a worker
+        still at work after its last collective (the chief saving the model) was aborted
+        (SIGABRT) mid-save when the others had finished earlier. The wait has no deadline, as on
+        TensorFlow and torch, where a worker that finished leaves and the others go on: a peer
+        that dies ends it (a local one at once; the chief aborts the others through JAX at once;
+        a remote one after the heartbeat timeout), and it says every `LEAVING_NOTICE_SECONDS`
+        whom it waits for.
+        """
+        if self.left is None:
+            self.left = self._wait_for_peers_to_leave()
+        return self.left
+
+    def _wait_for_peers_to_leave(self) -> bool:
+        """`leave_together`'s wait, done once."""
+        client = coordination_client()
+        if not self.peers or self.lost or client is None:   # None: jax.distributed shut down already
+            return True
+        me = self.backend.worker_index
+        self._announce_leaving(DONE)
+        started = time.monotonic()
+        notice = started + LEAVING_NOTICE_SECONDS
+        for rank in (rank for rank in range(self.backend.num_workers) if rank != me):
+            while True:
+                try:
+                    value = client.key_value_try_get(f"{LEAVING_KEY}{rank}")
+                except Exception as error:  # noqa: BLE001 - "not found" is an exception in jaxlib
+                    if "NOT_FOUND" not in str(error):   # the service is gone: no barrier to pass
+                        return False
+                    value = None
+                if value is not None:
+                    if value == FAILED:
+                        return False
+                    break
+                if (self.peers[rank].get("host") == socket.gethostname()
+                        and not process_alive(int(self.peers[rank]["pid"]))):
+                    logger.error(f"keras_mwms: worker {rank} ended without leaving JAX's cluster; worker "
+                                 f"{me} leaves without JAX's shutdown barrier")
+                    return False
+                if time.monotonic() >= notice:
+                    logger.warning(f"keras_mwms: worker {me} finished its script and waits for worker "
+                                   f"{rank} to finish its own ({time.monotonic() - started:.0f} s so far); "
+                                   "JAX's workers leave its cluster together")
+                    notice += LEAVING_NOTICE_SECONDS
+                time.sleep(POLL_SECONDS)
+        return True
+
+    def _announce_leaving(self, value: str) -> None:
+        bounded(lambda: coordination_client().key_value_set(
+            f"{LEAVING_KEY}{self.backend.worker_index}", value, allow_overwrite=True), 2.0)
 
 
 def _exit(code: int) -> None:
