@@ -44,8 +44,9 @@ BASE = ["--verbose", "0", "--seed", "100", "--momentum", "0", "--evaluate-on", "
 SCENARIOS = {"plain": [], "bf16": ["--compression", "bf16"], "fp16": ["--compression", "fp16"],
              # torch's other gradient path: all-reduced after backward (also jit_compile, custom steps)
              "bf16_after_backward": ["--compression", "bf16", "--no-torch-overlap"],
-             # torch's compiled step: the bf16 all-reduce in its graph (`gradients.averaged_in_graph`)
-             "bf16_jit": ["--compression", "bf16", "--jit-compile"],
+             # torch's compiled step: the bf16 all-reduce in its graph (`gradients.averaged_in_graph`);
+             # fit only: its test and predict steps would compile too
+             "bf16_jit": ["--compression", "bf16", "--jit-compile", "--evaluate-on", "none"],
              # JAX's DataParallel path (a custom train_step): the step in shard_map, bf16 all-gathered
              "bf16_dataparallel": ["--compression", "bf16", "--custom-train-step"]}
 COMPRESSED = {"tensorflow": ("bf16", "fp16"), "jax": ("bf16", "fp16", "bf16_dataparallel"),

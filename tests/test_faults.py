@@ -16,14 +16,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 import uuid
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
-from tests.multiworker import REPO, WatchedGang, python_worker, watch_gang, worker_env
+from tests.multiworker import REPO, WatchedGang, concurrently, python_worker, watch_gang, worker_env
 
 sys.path.insert(0, str(REPO / "tests" / "workers"))
 import common  # noqa: E402
@@ -70,27 +69,6 @@ def observe(backend: str, out: str, workers: int, *args: str, wait_for: set[int]
     with open(os.path.join(out, "gang.log"), "w") as handle:
         handle.write(watched.output)
     return Observed(**vars(watched), backend=backend, out=out, marker=marker)
-
-
-def concurrently(function, backends=BACKENDS) -> dict[str, Observed]:
-    """Runs `function(backend)` for every backend in threads (for gangs that mostly wait)."""
-    results: dict[str, Observed] = {}
-    errors: list[BaseException] = []
-
-    def run(backend):
-        try:
-            results[backend] = function(backend)
-        except BaseException as error:  # noqa: BLE001 - re-raised in the main thread
-            errors.append(error)
-
-    threads = [threading.Thread(target=run, args=(backend,)) for backend in backends]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return results
 
 
 def record(case: str, observed: Observed, since: float, bound: float | None, outcome: str) -> float:
@@ -168,7 +146,7 @@ def startup_runs(tmp_path_factory):
     # Made here: tmp_path_factory is not thread-safe on its first use.
     outs = {(kind, backends): str(tmp_path_factory.mktemp(f"{kind}_{'_'.join(backends)}"))
             for kind, backends in jobs}
-    return concurrently(run, jobs)
+    return concurrently(run, jobs, at_once=len(jobs))   # they mostly wait: all at once
 
 
 @pytest.mark.slow
@@ -287,6 +265,10 @@ def survivor_outcome(observed: Observed, backend: str) -> str:
 # -- training -----------------------------------------------------------------------------
 UNEVEN_BACKENDS = BACKENDS
 STOPPED_BACKENDS = ("tensorflow", "jax")   # torch: test_backend_torch.py::test_hung_peer_...
+# JAX's heartbeat timeout follows `timeout_seconds` (default 120 s, after the 60 s hang report,
+# which then names the stopped worker: tests/test_hang_report.py). Here it is 30 s, as a user
+# bounds a hang, so JAX's own abort ends the survivor within TRAINING_FAULT_BOUND.
+SIGSTOP_ARGUMENTS = {"jax": ("--timeout", "30")}
 
 
 @pytest.fixture(scope="module")
@@ -302,13 +284,14 @@ def training_runs(tmp_path_factory):
         kind, backend = job
         out = outs[job]
         if kind == "sigstop":
-            return observe(backend, out, 2, "--stop-worker", "1", "--at-batch", "3", wait_for={0})
+            return observe(backend, out, 2, "--stop-worker", "1", "--at-batch", "3",
+                           *SIGSTOP_ARGUMENTS.get(backend, ()), wait_for={0})
         uneven = ["--uneven-worker", "1", "--uneven-rows", "200"] if backend in UNEVEN_BACKENDS else []
         return observe(backend, out, 2, "--raise-worker", "1", "--at-batch", "3", *uneven)
 
     jobs = [("raise", backend) for backend in BACKENDS] + [("sigstop", backend) for backend in STOPPED_BACKENDS]
     outs = {(kind, backend): str(tmp_path_factory.mktemp(f"{kind}_{backend}")) for kind, backend in jobs}
-    return concurrently(run, jobs)
+    return concurrently(run, jobs, at_once=len(jobs))   # they mostly wait: all at once
 
 
 @pytest.mark.slow

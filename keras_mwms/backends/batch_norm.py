@@ -20,7 +20,6 @@ Example (no strategy active: Keras' own moments, untouched):
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -40,21 +39,17 @@ def moments_replacement(in_step: Callable[[Any, Any], bool],
     A masked call keeps Keras' moments (a mask's rows differ per replica).
     """
     def replacement(original: Callable) -> Callable:
-        signature = inspect.signature(original)
-
+        # Keras' `_moments(self, inputs, mask)` (the rows' `parameters`), spelled out:
+        # `inspect.signature(...).bind` is a graph break in a compiled torch step.
         @functools.wraps(original)
-        def _moments(self, *args, **kwargs):
+        def _moments(self, inputs, mask):
             backend = active.active_backend()
-            if backend is None:
-                return original(self, *args, **kwargs)
-            values = signature.bind(self, *args, **kwargs).arguments
-            if values["mask"] is not None or not in_step(self, backend):
-                return original(self, *args, **kwargs)
+            if backend is None or mask is not None or not in_step(self, backend):
+                return original(self, inputs, mask)
             if policy.global_batch_norm_moments(self, backend.options):
-                return global_moments(backend, values["inputs"],
-                                      tuple(attributes.batch_norm_reduction_axes(self)))
-            moments = original(self, *args, **kwargs)
-            return moments if per_worker is None else per_worker(moments, values["inputs"])
+                return global_moments(backend, inputs, tuple(attributes.batch_norm_reduction_axes(self)))
+            moments = original(self, inputs, mask)
+            return moments if per_worker is None else per_worker(moments, inputs)
 
         return _moments
 

@@ -10,6 +10,8 @@
 * `data_wait` — the patch that times every batch a `keras.utils.PyDataset` makes;
 * `straggler` — per worker and epoch: seconds waiting for data, computing, waiting in
   collectives; the chief names a worker persistently slower than the median.
+* `recompile_limit` — TorchDynamo's recompile-limit hits, read from torch's log line (the
+  torch backend's warning and the benchmark's count share it).
 
 `start(backend)` and `stop()` are a step of the strategy's start-up and `close()`
 (`keras_mwms.active.Session`), with the diagnostics' patch table (`patches.PATCHES`).

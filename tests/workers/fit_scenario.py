@@ -17,7 +17,7 @@ Dumps of worker i (0 for the reference): `w<i>.init.npz` (weights before fit), `
 evaluate, batches run per epoch, replicas, is_chief, seed_probe (a draw of numpy's global
 generator right after seeding, to show whether workers were seeded differently), weight sums
 before fit and at train begin, optimizer class and iterations, predict shape, fit seconds, graph breaks of
-`torch.compile` during fit (torch),
+`torch.compile` during fit and the functions TorchDynamo's recompile_limit stopped compiling (torch),
 what only one backend reports (`backend_details`) and, with `--primitives`, the custom-loop API.
 `load_dump(out, index)` reads them back (numpy only, no backend).
 """
@@ -58,8 +58,9 @@ FLAGS.add_argument("--steps-per-execution", type=int, default=1)
 FLAGS.add_argument("--jit-compile", action="store_true", help="compile(jit_compile=True) instead of 'auto'")
 FLAGS.add_argument("--validation", default="none", choices=["none", "data", "split"],
                    help="validation_data (96 held-out rows) or validation_split=0.25")
-FLAGS.add_argument("--evaluate-on", default="holdout", choices=["holdout", "training"],
-                   help="evaluate/predict on 100 held-out rows with sample weights, or on the training rows")
+FLAGS.add_argument("--evaluate-on", default="holdout", choices=["holdout", "training", "none"],
+                   help="evaluate/predict on 100 held-out rows with sample weights, on the training rows, or "
+                        "not at all (a compiled scenario's test and predict steps each compile again)")
 FLAGS.add_argument("--evaluate-batch-size", type=int, default=None, help="default: --batch-size")
 FLAGS.add_argument("--verbose", default="auto", choices=["auto", "0", "1", "2"],
                    help="verbose of fit, evaluate and predict")
@@ -378,9 +379,12 @@ def run_scenario(strategy, out: str, arguments) -> None:
         sample_weight = np.linspace(0.5, 2.0, len(x_eval)).astype("float32")
     else:
         x_eval, y_eval, sample_weight = x, y, None
-    evaluation = model.evaluate(x_eval, y_eval, sample_weight=sample_weight, batch_size=evaluate_batch_size,
-                                verbose=verbose, return_dict=True)
-    prediction = model.predict(x_eval, batch_size=evaluate_batch_size, verbose=verbose)
+    if arguments.evaluate_on == "none":
+        evaluation, prediction = {}, np.zeros((0,), "float32")
+    else:
+        evaluation = model.evaluate(x_eval, y_eval, sample_weight=sample_weight, batch_size=evaluate_batch_size,
+                                    verbose=verbose, return_dict=True)
+        prediction = model.predict(x_eval, batch_size=evaluate_batch_size, verbose=verbose)
     np.save(os.path.join(out, f"w{index}.predict.npy"), prediction)
     results = dict(
         history={key: [float(value) for value in values] for key, values in history.history.items()},
@@ -399,6 +403,7 @@ def run_scenario(strategy, out: str, arguments) -> None:
         fit_collectives=collectives,
         graph_breaks=getattr(breaks, "count", None),
         graph_break_reasons=getattr(breaks, "reasons", None),
+        recompile_limit_hits=getattr(breaks, "recompile_limit_hits", None),
         **backend_details(strategy, model),
     )
     if arguments.primitives:

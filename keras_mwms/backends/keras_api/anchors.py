@@ -180,6 +180,8 @@ STATELESS_SCOPE_MODULE = Anchor("stateless_scope_module", "module of keras.State
                                 lambda: _module_of(_keras().StatelessScope))
 DISTRIBUTION_MODULE = Anchor("distribution_module", "module of keras.distribution.TensorLayout",
                              lambda: _module_of(_keras().distribution.TensorLayout))
+OPS_PACKAGE = Anchor("ops_package", "package of keras.ops.cond's module",
+                     lambda: _package_of(_module_of(_keras().ops.cond)))
 JAX_UTILS = Anchor("jax_utils", "module keras.src.utils.jax_utils",
                    lambda: _optional_module("keras.src.utils.jax_utils"), backends=("jax",), public=False)
 TORCH_ADAM = Anchor("torch_adam", "module keras.src.backend.torch.optimizers.torch_adam",
@@ -191,8 +193,8 @@ TORCH_SGD = Anchor("torch_sgd", "module keras.src.backend.torch.optimizers.torch
 
 ANCHORS = (TRAINER, BASE_TRAINER, TRAINER_MODULE, VARIABLE, LOSS_MODULE, BASE_OPTIMIZER, BACKEND_OPTIMIZER,
            LOSS_SCALE_OPTIMIZER, MULTI_OPTIMIZER, LAYER, BATCH_NORMALIZATION, CALLBACK_LIST, MODEL_CHECKPOINT,
-           TENSORBOARD, DATA_ADAPTERS, STATELESS_SCOPE_MODULE, DISTRIBUTION_MODULE, JAX_UTILS, TORCH_ADAM,
-           TORCH_SGD)
+           TENSORBOARD, DATA_ADAPTERS, STATELESS_SCOPE_MODULE, DISTRIBUTION_MODULE, OPS_PACKAGE, JAX_UTILS,
+           TORCH_ADAM, TORCH_SGD)
 """Every anchor, in the order ARCHITECTURE.md lists them."""
 
 

@@ -29,6 +29,7 @@ from keras_mwms.backends.keras_api.anchors import (
     LOSS_SCALE_OPTIMIZER,
     MODEL_CHECKPOINT,
     MULTI_OPTIMIZER,
+    OPS_PACKAGE,
     STATELESS_SCOPE_MODULE,
     TENSORBOARD,
     TORCH_ADAM,
@@ -121,6 +122,9 @@ MULTI_OPTIMIZER_APPLY = Target(MULTI_OPTIMIZER, "apply", backends=TORCH)
 TORCH_ADAM_CLASS = Target(TORCH_ADAM, "Adam")
 TORCH_ADAM_UPDATE = Target(TORCH_ADAM, "Adam._parallel_update_step")
 TORCH_SGD_UPDATE = Target(TORCH_SGD, "SGD._parallel_update_step")
+# the `ops.cond` Keras 3.12-3.15's optimizer branches its gradient accumulation with, and its Operation
+OPS_COND = Target(OPS_PACKAGE, "cond", backends=TORCH)
+OPS_COND_OPERATION = Target(OPS_PACKAGE, "core.Cond", backends=TORCH)
 
 # -- private methods and properties called through keras_api.attributes ----------------------
 # (their instance attributes exist only on real objects: tests/test_keras_api.py reads those)

@@ -15,6 +15,7 @@ Keras 3.15.1 has no multi-process support on torch, so this adapter supplies all
 | `metrics` | global metric results and logs |
 | `overlap` | gradient all-reduces started during `backward()` |
 | `fused_adam` | Keras' Adam update without temporaries, bit for bit |
+| `recompile_limit` | a warning when TorchDynamo stops compiling a model's train step |
 | `state` | keras_mwms' state of Keras models and optimizers |
 
 Example:

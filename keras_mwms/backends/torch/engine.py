@@ -117,6 +117,7 @@ class TorchEngine(Backend):
         self.faults = faults.TorchFaults(self)   # lost peers: `keras_mwms.backends.faults`
         self._engine: str | None = None
         self._joined = False
+        self._group_size = 1   # fixed when the group is joined: `distributed` is read several times a step
         # A process group the launcher started before the script (Ray's TorchTrainer) is joined,
         # not started again, and left for its owner to destroy.
         self._owns_process_group = False
@@ -128,6 +129,8 @@ class TorchEngine(Backend):
         self.in_train_step = False
         # This step is compiled and all-reduces its gradients in its graph (`gradients.in_graph_applies`).
         self.gradients_in_graph = False
+        # This step is compiled as one graph, its backward by `autograd.grad` (`compiled_step`).
+        self.backward_in_graph = False
         # This worker's GPU (or none): decided now, so a worker that cannot tell which GPU is
         # its own fails before the rendezvous.
         self.gpu_assignment = devices.gpu_assignment("torch", self.num_workers)
@@ -150,7 +153,7 @@ class TorchEngine(Backend):
     @property
     def distributed(self) -> bool:
         """True when collectives actually cross processes (more than one worker)."""
-        return self._joined and self.num_workers > 1
+        return self._joined and self._group_size > 1
 
     @property
     def device(self) -> torch.device:
@@ -191,6 +194,7 @@ class TorchEngine(Backend):
                     f"{error}. Check that every worker is still running and that port {port} is "
                     "reachable from every worker.", where="torch.distributed start"
                 ) from error
+        self._group_size = self.num_workers
         self._joined = True
 
     def _check_existing_process_group(self) -> None:

@@ -14,7 +14,8 @@ With `CommunicationOptions(compression=...)` the gradients cross in 16 bits
 (`compressed_all_reduce`); the statistics and row counts stay exact.
 BatchNormalization computes the moments of the global batch (`synchronized_moments`) when
 `synchronized=True` and, by default, inside a distributed train step
-(`policy.global_batch_norm_moments`).
+(`policy.global_batch_norm_moments`); in that compiled graph their sums are all-reduced there
+too, differentiably.
 
 Under a LossScaleOptimizer the weight is `rows / K`, K being the global rows of the fit's first
 step (one scalar all-reduce per fit): per row, the float16 values of the scaled backward are
@@ -110,7 +111,7 @@ def average_gradients(backend: TorchEngine, model, grads: list, variables=None) 
     """Global-batch gradients: in the compiled step's graph when `backend.gradients_in_graph`
     (`averaged_in_graph`), else eagerly (`averaged_eagerly`)."""
     if backend.gradients_in_graph and torch.compiler.is_compiling():
-        return averaged_in_graph(backend, grads)
+        return averaged_in_graph(backend, model, grads)
     return averaged_eagerly(backend, model, grads, variables)
 
 
@@ -118,43 +119,59 @@ def in_graph_applies(model, backend: TorchEngine) -> bool:
     """Whether a compiled (`jit_compile=True`) step all-reduces its gradients in its graph.
 
     Its plain form only: one gradient all-reduce per step (no accumulation), no
-    LossScaleOptimizer, no BatchNormalization statistics to average. Anything else runs
-    `averaged_eagerly`, a graph break (`keras_mwms.benchmark.graph_breaks`).
+    LossScaleOptimizer. Anything else runs `averaged_eagerly`, a graph break
+    (`keras_mwms.benchmark.graph_breaks`). Decided outside the graph; the caller then collects
+    `unsynchronized_batch_norm_statistics` there too, so the graph only reads that cache (a
+    cache written while tracing is a graph break).
     """
     from keras.optimizers import LossScaleOptimizer
 
     optimizer = getattr(model, "optimizer", None)
     return (backend.distributed and model.jit_compile is True and optimizer is not None
             and not isinstance(optimizer, LossScaleOptimizer)
-            and not policy.accumulation_steps(optimizer)
-            and not unsynchronized_batch_norm_statistics(model, backend))
+            and not policy.accumulation_steps(optimizer))
 
 
-def averaged_in_graph(backend: TorchEngine, grads: list) -> list:
+def averaged_in_graph(backend: TorchEngine, model, grads: list) -> list:
     """`averaged_over_workers`' arithmetic in traceable form (`TorchEngine.all_reduce_in_graph`).
 
-    The same payload, sums and divisions, so the same values as the eager form; the row count
-    and loss weight are Python numbers the compiled step guards on. Its bytes are counted by the
-    step, outside the graph (`in_graph_wire_bytes`): a count written while tracing is a global
-    Dynamo guards on, and `WIRE.reset()` then recompiled the step's backward and update.
+    The same payload, sums and divisions, so the same values as the eager form, unsynchronized
+    BatchNormalization moving statistics included (weighted by rows, assigned their average);
+    the row count and loss weight are Python numbers the compiled step guards on. Its bytes are
+    counted by the step, outside the graph (`in_graph_wire_bytes`): a count written while
+    tracing is a global Dynamo guards on, and `WIRE.reset()` then recompiled the step's
+    backward and update.
     """
     present, payload, weight, rows = _row_weighted_gradients(backend.rows, grads)
+    statistics = unsynchronized_batch_norm_statistics(model, backend)
     reference = grads[present[0]] if present else torch.zeros(())
     counts = torch.tensor([weight, rows], dtype=reference.dtype, device=reference.device)
     wires = [wire_dtype(backend.options.compression, tensor.dtype) for tensor in payload]
     sent = [tensor.to(getattr(torch, wire)) if wire else tensor for tensor, wire in zip(payload, wires)]
-    *summed, totals = backend.all_reduce_in_graph([*sent, counts])
+    exact = [variable.value * rows if rows > 0 else torch.zeros_like(variable.value) for variable in statistics]
+    *summed, totals = backend.all_reduce_in_graph([*sent, *exact, counts])
     averaged = list(grads)
     for i, total, tensor in zip(present, summed, payload):
         averaged[i] = total.to(tensor.dtype) / totals[0]
+    for variable, total in zip(statistics, summed[len(payload):]):
+        variable.assign(total / totals[1])
     return averaged
 
 
 def in_graph_wire_bytes(backend: TorchEngine, model) -> int:
     """Bytes `averaged_in_graph` hands the engine per step: every trainable weight's gradient
-    (16-bit under compression) and the two exact counts."""
-    weights = model.trainable_weights
-    return sum(_wire_bytes(backend, variable.value) for variable in weights) + 2 * weights[0].value.element_size()
+    (16-bit under compression), the unsynchronized BatchNormalization statistics and the two
+    exact counts. Counted once per `fit` (`step.prepare_fit` forgets it, as the statistics:
+    trainable flags may change)."""
+    counted = STATE.get(model, "in_graph_wire_bytes")
+    if counted is None:
+        weights = model.trainable_weights
+        exact = [variable.value for variable in unsynchronized_batch_norm_statistics(model, backend)]
+        counted = (sum(_wire_bytes(backend, variable.value) for variable in weights)
+                   + sum(tensor.numel() * tensor.element_size() for tensor in exact)
+                   + 2 * weights[0].value.element_size())
+        STATE.of(model).in_graph_wire_bytes = counted
+    return counted
 
 
 @torch._dynamo.disable
@@ -189,8 +206,6 @@ def averaged_over_workers(backend: TorchEngine, model, grads: list, variables=No
     """
     step_rows = backend.rows
     has_rows = step_rows.has_rows
-    rows = float(step_rows.local)
-    weight = step_rows.loss_weight if step_rows.loss_weight is not None else float(has_rows)
     statistics = unsynchronized_batch_norm_statistics(model, backend)
     reducer = STATE.get(model, "overlap")
     if reducer is not None and reducer.armed:
@@ -199,11 +214,9 @@ def averaged_over_workers(backend: TorchEngine, model, grads: list, variables=No
         summed, reduced_extras = reducer.finish()
         step_rows.take_loss_weight()
         if variables is not None and reducer.covers(list(variables)):
-            if isinstance(step_extras, StepExtras):
-                total_weight = step_extras.consume(reduced_extras)
-                return [None if grad is None else total.div_(total_weight)
-                        for grad, total in zip(grads, summed)]
-            return _average_overlapped(backend, grads, summed, statistics, weight, rows)
+            total_weight = step_extras.consume(reduced_extras)   # a `StepExtras` (`step.armed_reducer`)
+            reducer.divide_(total_weight)
+            return [None if grad is None else total for grad, total in zip(grads, summed)]
     steps = policy.accumulation_steps(getattr(model, "optimizer", None))
     if steps:   # one gradient all-reduce per optimizer step (`keras_mwms.backends.torch.accumulation`)
         riders, on_riders = _metric_riders(model)
@@ -248,22 +261,6 @@ def _row_weighted_gradients(step_rows, grads: list) -> tuple[list[int], list, fl
     payload = [torch.zeros_like(grads[i]) if not step_rows.has_rows else grads[i] if row_scale == 1.0
                else grads[i] * row_scale for i in present]
     return present, payload, weight, rows
-
-
-def _average_overlapped(backend: TorchEngine, grads: list, summed: list, statistics: list,
-                        weight: float, rows: float) -> list:
-    """Divides the gradients summed during backward by the global weight; syncs statistics."""
-    has_rows = rows > 0
-    payload = [variable.value.data * rows if has_rows else torch.zeros_like(variable.value.data)
-               for variable in statistics]
-    reference = summed[0] if summed else torch.zeros(())
-    payload.append(torch.tensor([weight, rows], dtype=reference.dtype, device=reference.device))
-    reduced = backend.all_reduce_flat(payload, what="gradient all-reduce")
-    WIRE.add(sum(tensor.numel() * tensor.element_size() for tensor in payload))
-    total_weight, total_rows = reduced[-1][0], reduced[-1][1]
-    for offset, variable in enumerate(statistics):
-        variable.value.data.copy_(reduced[offset] / total_rows)
-    return [None if grad is None else total.div_(total_weight) for grad, total in zip(grads, summed)]
 
 
 def _metric_riders(model) -> tuple[list, Any]:
@@ -342,7 +339,7 @@ def synchronized_moments(backend: TorchEngine, inputs, axes):
     local_square_sum = torch.sum(x * x, dim=axes) * weight
     packed = torch.cat([local_sum.reshape(-1), local_square_sum.reshape(-1),
                         torch.tensor([count * weight], dtype=compute_dtype, device=x.device)])
-    total = _differentiable_all_reduce(backend, packed)
+    total = _summed_over_workers(backend, packed)
     channels = local_sum.numel()
     global_count = total[-1]
     mean = (total[:channels] / global_count).reshape(local_sum.shape)
@@ -368,11 +365,25 @@ class _SumOverWorkers(torch.autograd.Function):
         return total
 
 
-@torch._dynamo.disable
-def _differentiable_all_reduce(backend: TorchEngine, tensor):
-    """Sum over workers through which gradients flow back."""
+def _summed_over_workers(backend: TorchEngine, tensor):
+    """Sum over workers through which gradients flow back: in the compiled step's graph when
+    its gradients are all-reduced there (`in_graph_applies`), else eagerly.
+
+    In the graph it is torch's functional all-reduce (`TorchEngine.all_reduce_in_graph`), whose
+    autograd formula (torch 2.13, sum only) is again an all-reduce of the incoming gradient:
+    the SyncBatchNorm backward `_SumOverWorkers` spells out, traced with the step's backward.
+    The distributed train step guards the graph's collectives (`keras_mwms.backends.torch.step`).
+    """
     if not backend.distributed:
         return tensor
+    if backend.gradients_in_graph and torch.compiler.is_compiling():
+        return backend.all_reduce_in_graph([tensor])[0]
+    return _differentiable_all_reduce(backend, tensor)
+
+
+@torch._dynamo.disable
+def _differentiable_all_reduce(backend: TorchEngine, tensor):
+    """Sum over workers through which gradients flow back, eagerly (a graph break when compiled)."""
     what = "BatchNormalization all-reduce"   # its backward all-reduce runs inside autograd
     with LEDGER.collective(what, tensor.numel() * tensor.element_size()), backend.guarded(what):
         return _SumOverWorkers.apply(tensor)

@@ -4,8 +4,9 @@ Keras' torch train step runs `loss.backward()` and only then hands the gradients
 optimizer. Reducing them there leaves the network idle for the whole backward pass and the
 processor idle for the whole all-reduce. `OverlappedGradients` instead hooks every trainable
 parameter (`register_post_accumulate_grad_hook`): when the last gradient of a bucket is final,
-the bucket is packed into one flat tensor and its all-reduce starts asynchronously, while
-autograd goes on with the earlier layers. The optimizer's `apply` then only waits.
+the bucket is packed into its flat buffer (allocated once, reused every step) and its
+all-reduce starts asynchronously, while autograd goes on with the earlier layers. The
+optimizer's `apply` then only waits, and divides each bucket by the step's global weight.
 
 Buckets follow the reverse order of the trainable weights (backward produces the last layers'
 gradients first), hold one dtype each, and are launched strictly in bucket order, so every
@@ -49,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from keras_mwms.backends.compression import WIRE, wire_dtype
+from keras_mwms.backends.keras_api import attributes
 from keras_mwms.diagnostics import LEDGER
 
 if TYPE_CHECKING:
@@ -109,6 +111,11 @@ class OverlappedGradients:
             min(FIRST_BUCKET_BYTES, backend.bucket_bytes), backend.bucket_bytes)
         self.bucket_of = {position: number for number, bucket in enumerate(self.buckets)
                           for position in bucket}
+        # Per bucket: its gradients' element counts, in bucket order (`finish` splits by them).
+        self.sizes = [[self.parameters[position].numel() for position in bucket]
+                      for bucket in self.buckets]
+        self.summed_gradients: list[torch.Tensor] = []
+        self.buffers: list[torch.Tensor | None] = [None] * len(self.buckets)
         self.armed = False
         self._handles = [
             parameter.register_post_accumulate_grad_hook(self._make_hook(position))
@@ -152,7 +159,7 @@ class OverlappedGradients:
     def covers(self, variables: Sequence) -> bool:
         """Whether `variables` (Keras variables) are exactly the hooked parameters, in order."""
         return (len(variables) == len(self.parameters)
-                and all(variable.value is parameter
+                and all(attributes.variable_value(variable) is parameter
                         for variable, parameter in zip(variables, self.parameters)))
 
     def _ready(self, position: int) -> None:
@@ -172,7 +179,7 @@ class OverlappedGradients:
                 pieces.append(torch.zeros(parameter.numel(), dtype=parameter.dtype,
                                           device=parameter.device))
             else:
-                pieces.append(grad.detach().reshape(-1))
+                pieces.append(grad.reshape(-1))
         last = number == len(self.buckets) - 1
         extras = self._collect_extras() if last else []
         dtype = self.parameters[self.buckets[number][0]].dtype
@@ -180,7 +187,7 @@ class OverlappedGradients:
         # Compressed buckets carry gradients only: the extras must stay exact.
         riding = [] if wire else [i for i, tensor in enumerate(extras) if tensor.dtype == dtype]
         with torch.no_grad():
-            flat = torch.cat(pieces + [extras[i] for i in riding])
+            flat = self._packed(number, pieces + [extras[i] for i in riding])
             if wire:
                 flat = flat.to(getattr(torch, wire))
         with self.backend.guarded("gradient all-reduce"):
@@ -201,6 +208,16 @@ class OverlappedGradients:
                                          positions))
         self.launched = number + 1
 
+    def _packed(self, number: int, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """`pieces` concatenated into bucket `number`'s flat buffer, allocated once and reused
+        every step (the sums `finish` hands out are read before the next step's backward)."""
+        size = sum(piece.numel() for piece in pieces)
+        buffer = self.buffers[number]
+        if buffer is None or buffer.numel() != size:
+            buffer = self.buffers[number] = torch.empty(size, dtype=pieces[0].dtype,
+                                                        device=pieces[0].device)
+        return torch.cat(pieces, out=buffer)
+
     def _collect_extras(self) -> list[torch.Tensor]:
         if self.extras is None:
             return []
@@ -212,7 +229,8 @@ class OverlappedGradients:
         """Launches what backward left and waits for every bucket.
 
         Returns the summed gradients, in parameter order, and the summed extras, in the order
-        `extras()` returned them (empty when the step had none).
+        `extras()` returned them (empty when the step had none). The gradients are views of the
+        step's flat buffers: `divide_` divides them all, one operation per bucket.
         """
         self.armed = False
         while self.launched < len(self.buckets):
@@ -223,18 +241,19 @@ class OverlappedGradients:
         buckets = {id(flat) for flat in self.flats}
         WIRE.add(nbytes + sum(flat.numel() * flat.element_size()
                               for flat, *_ in self.extra_parts if id(flat) not in buckets))
+        regions = []
         with LEDGER.collective("gradient all-reduce (overlapped buckets)", nbytes), \
                 self.backend.guarded("gradient all-reduce"):
             for number, bucket in enumerate(self.buckets):
                 self.works[number].wait()
-                flat, offset = self.flats[number], 0
+                flat, sizes = self.flats[number], self.sizes[number]
                 dtype = self.parameters[bucket[0]].dtype
                 if flat.dtype != dtype:   # compressed: back to the gradients' own type
                     flat = flat.to(dtype)
-                for position in bucket:
-                    parameter = self.parameters[position]
-                    summed[position] = flat[offset:offset + parameter.numel()].view_as(parameter)
-                    offset += parameter.numel()
+                region = flat[:sum(sizes)]
+                regions.append(region)
+                for position, piece in zip(bucket, region.split(sizes)):
+                    summed[position] = piece.view(self.parameters[position].shape)
             for flat, work, offset, positions in self.extra_parts:
                 work.wait()
                 for i in positions:
@@ -242,7 +261,15 @@ class OverlappedGradients:
                     extras[i] = flat[offset:offset + size].view_as(self.extra_tensors[i])
                     offset += size
         self._reset(rows=0)
+        self.summed_gradients = regions
         return summed, extras  # type: ignore[return-value]
+
+    def divide_(self, total) -> None:
+        """Divides, in place, every gradient the last `finish` returned by `total` (the step's
+        global weight): one division per bucket, the same quotients as one per gradient."""
+        regions, self.summed_gradients = self.summed_gradients, []
+        for region in regions:
+            region.div_(total)
 
     def close(self) -> None:
         """Removes the hooks (a new plan is made when the trainable weights change)."""

@@ -18,7 +18,13 @@ What a model created in the scope gets:
   (`keras_mwms.backends.torch.gradients`); the optimizer keeps its fast torch class; Keras'
   torch Adam/AdamW update reuses two scratch buffers (`keras_mwms.backends.torch.fused_adam`);
   its SGD update is one op in a compiled step's graph (`keras_mwms.backends.torch.compiled_sgd`);
+  a compiled step on CPU recomputes ReLU-style masks in backward instead of saving them
+  (`keras_mwms.backends.torch.compile_options`);
 * global metric results (`keras_mwms.backends.torch.metrics`);
+* under `jit_compile=True`, Keras 3.12-3.15's gradient-accumulation branch compiled once, not
+  again at every micro-step (`torch-accumulation-cond-compiled`, for every model: only a name
+  changes), and a warning when TorchDynamo's `recompile_limit` stops compiling the train step
+  (`keras_mwms.backends.torch.recompile_limit`);
 * BatchNormalization over the global batch (`synchronized=True`, and an ordinary layer unless
   `CommunicationOptions(batch_norm_statistics="per_worker")`).
 
@@ -35,11 +41,22 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from keras_mwms import active
 from keras_mwms.backends import batch_norm, fit_call
 from keras_mwms.backends.keras_api import targets
 from keras_mwms.backends.patches import KerasHas, Patch, PatchTable
-from keras_mwms.backends.torch import compiled_sgd, data, fused_adam, gradients, metrics, step
+from keras_mwms.backends.torch import (
+    compile_options,
+    compiled_sgd,
+    compiled_step,
+    data,
+    fused_adam,
+    gradients,
+    metrics,
+    step,
+)
 from keras_mwms.backends.torch.state import STATE, backend_of, model_of
 
 _NO_HOOKS = "Keras' torch trainer has no distribution hooks (keras-team/keras#18870)"
@@ -65,6 +82,12 @@ def _distributed_step(prepare: Callable, wrap: Callable) -> Callable:
         return make_function
 
     return replacement
+
+
+def _wrap_train_function(model, backend) -> None:
+    """A fresh compiled step gets keras_mwms' compile options, then becomes distributed."""
+    compile_options.recompile(model)
+    step.wrap_train_function(model, backend)
 
 
 def _global_metric_results(original: Callable) -> Callable:
@@ -214,6 +237,36 @@ def _sgd_in_the_graph(original: Callable) -> Callable:
     return _parallel_update_step
 
 
+def _cond_named_once(original: Callable) -> Callable:
+    # Keras 3.12-3.15's `ops.cond` names a new `Cond` operation from Keras' process-wide name
+    # counter on every call. In a compiled step TorchDynamo guards on that counter, so the
+    # optimizer's gradient-accumulation branch compiled again at every micro-step until
+    # `recompile_limit`, then ran eagerly. There the operation gets a fixed name: the same
+    # `Cond`, the same branches, no counter to guard on.
+    operation = targets.OPS_COND_OPERATION.get()
+
+    @functools.wraps(original)
+    def cond(pred, true_fn, false_fn):
+        if torch.compiler.is_compiling():
+            return operation(name="cond")(pred, true_fn, false_fn)
+        return original(pred, true_fn, false_fn)
+
+    return cond
+
+
+def _train_step_in_one_graph(original: Callable) -> Callable:
+    # Keras' `train_step(self, data)`, spelled out: `inspect.signature(...).bind` is a graph
+    # break in a compiled step.
+    @functools.wraps(original)
+    def train_step(self, data):
+        backend = backend_of(self)
+        if backend is not None and compiled_step.in_use(backend):
+            return compiled_step.train_step(self, data)
+        return original(self, data)
+
+    return train_step
+
+
 # Keras' torch trainer distributes by itself (new in 3.16): DDP and all-reduced metric results.
 _KERAS_DISTRIBUTES = KerasHas(targets.TORCH_INITIALIZE_DDP)
 _ROWS = f"{_NO_HOOKS}: each worker's loss is weighted by its shard's rows"
@@ -231,8 +284,10 @@ PATCHES = PatchTable("torch", [
           "predict on every worker prints Keras' progress bar once per worker",
           parameters=fit_call.PARAMETERS["predict"]),
     Patch("torch-train-function", targets.TRAINER_MAKE_TRAIN_FUNCTION,
-          _distributed_step(step.prepare_fit, step.wrap_train_function),
-          f"{_NO_HOOKS}: the chief's variables at every fit, the distributed train step"),
+          _distributed_step(step.prepare_fit, _wrap_train_function),
+          f"{_NO_HOOKS}: the chief's variables at every fit, the distributed train step "
+          "(compiled on CPU with comparison masks recomputed in backward: "
+          "keras_mwms.backends.torch.compile_options)"),
     Patch("torch-test-function", targets.TRAINER_MAKE_TEST_FUNCTION,
           _distributed_step(step.prepare_evaluate, step.wrap_test_function),
           f"{_NO_HOOKS}: the chief's variables before a first evaluate, the distributed test step"),
@@ -254,7 +309,8 @@ PATCHES = PatchTable("torch", [
           parameters=("synchronized",)),
     Patch("torch-synchronized-batchnorm-moments", targets.BATCH_NORM_MOMENTS, _global_moments,
           "synchronized BatchNormalization is TensorFlow-only in Keras (keras-team/keras#19118): "
-          "the moments become global sums all-reduced across workers, differentiably",
+          "the moments become global sums all-reduced across workers, differentiably (in a "
+          "jit_compile=True step's graph when its gradient all-reduce is there)",
           parameters=("inputs", "mask")),
     Patch("torch-scope-variables", targets.VARIABLE_INITIALIZE,
           _noted_variables, "creating a Keras variable has no hook: variables created in "
@@ -290,6 +346,20 @@ PATCHES = PatchTable("torch", [
           "under jit_compile=True: the same eager update as one custom op in the graph, "
           "bit-identical",
           parameters=("grads", "variables", "learning_rate")),
+    Patch("torch-accumulation-cond-compiled", targets.OPS_COND, _cond_named_once,
+          "Keras' optimizer branches gradient accumulation with ops.cond, which names a new Cond "
+          "from a process-wide counter on every call: under jit_compile=True TorchDynamo guards on "
+          "the counter, compiles the branch again at every micro-step and runs it eagerly past its "
+          "recompile_limit (8). In a compiled step the Cond gets a fixed name (Keras 3.16 calls "
+          "the backend's cond directly)",
+          parameters=("pred", "true_fn", "false_fn"), keras_versions=("3.12", "3.13", "3.14", "3.15")),
+    Patch("torch-train-step-one-graph",
+          targets.TRAINER_TRAIN_STEP,
+          _train_step_in_one_graph,
+          "Keras' torch train_step calls loss.backward(), which TorchDynamo cannot trace: a "
+          "graph break under jit_compile=True between the forward pass and the all-reduce and "
+          "update; the same step with torch.autograd.grad, traced, one graph",
+          parameters=("data",)),
 ])
 
 

@@ -12,6 +12,7 @@ Per model (`STATE.of(model)`; its backend is `backend_of(model)`, the tag of
 | `metric_rides` | how many steps' metric states rode in a gradient bucket (a diagnostic count) |
 | `global_logs` | a custom step's logs, made global when the step ended |
 | `train_function`, `test_function` | the distributed step functions made for it |
+| `compile_options` | its compiled train step got `keras_mwms.backends.torch.compile_options` |
 
 Per optimizer: `model` (a weak reference to the model it trains), `fused_steps` (Adam updates
 run by `keras_mwms.backends.torch.fused_adam`), `adam_scratch` (that update's two buffers).
@@ -21,7 +22,7 @@ Example:
 >>> class Model: pass
 >>> model = Model()
 >>> backend_of(model) is None, diagnostics(model)
-(True, {'overlap_buckets': 0, 'metric_states_in_gradient_bucket': 0, 'fused_adam_steps': 0})
+(True, {'overlap_buckets': 0, 'metric_states_in_gradient_bucket': 0, 'fused_adam_steps': 0, 'compile_options': 0})
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def diagnostics(model: Any) -> dict[str, int]:
 
     `overlap_buckets`: gradient buckets reduced during backward (0: none);
     `metric_states_in_gradient_bucket`: steps whose metric states were summed in the last
-    gradient bucket; `fused_adam_steps`: Adam updates run by the in-place update.
+    gradient bucket; `fused_adam_steps`: Adam updates run by the in-place update;
+    `compile_options`: 1 if its compiled train step got `backends.torch.compile_options`.
     """
     overlap = STATE.get(model, "overlap")
     optimizer = getattr(model, "optimizer", None)
@@ -72,4 +74,5 @@ def diagnostics(model: Any) -> dict[str, int]:
         "overlap_buckets": len(overlap.buckets) if overlap is not None else 0,
         "metric_states_in_gradient_bucket": int(STATE.get(model, "metric_rides", 0)),
         "fused_adam_steps": int(STATE.get(optimizer, "fused_steps", 0)) if optimizer is not None else 0,
+        "compile_options": int(STATE.get(model, "compile_options", False)),
     }

@@ -27,7 +27,7 @@ import torch
 from keras_mwms.backends import policy
 from keras_mwms.backends.compression import WIRE
 from keras_mwms.backends.keras_api import attributes, internals
-from keras_mwms.backends.torch import accumulation, gradients, metrics
+from keras_mwms.backends.torch import accumulation, compiled_step, gradients, metrics, recompile_limit
 from keras_mwms.backends.torch.overlap import OverlappedGradients
 from keras_mwms.backends.torch.state import STATE, model_of
 from keras_mwms.diagnostics import LEDGER
@@ -45,7 +45,8 @@ def prepare_fit(model, backend: TorchEngine) -> None:
     # A window of gradient accumulation left open by the last fit goes on as in one process.
     accumulation.settle_window(backend, optimizer, lambda: broadcast_state(model, backend))
     # Layers may have changed since the last fit (trainable flags): re-collect.
-    STATE.of(model).batch_norm_statistics = None
+    state = STATE.of(model)
+    state.batch_norm_statistics = state.in_graph_wire_bytes = state.one_graph_traceable = None
     backend.rows.begin_fit()     # a LossScaleOptimizer's unit: this fit's first global rows
 
 
@@ -161,8 +162,9 @@ def train_step_metrics_first(model, data, rows: int) -> None:
         model.optimizer.apply(step_gradients, trainable_weights)
 
 
-def armed_reducer(model, backend: TorchEngine, rows: int, weights: list, extras=None):
-    """The model's `OverlappedGradients`, re-planned when its trainable weights changed."""
+def armed_reducer(model, backend: TorchEngine, rows: int, weights: list, extras: gradients.StepExtras):
+    """The model's `OverlappedGradients`, re-planned when its trainable weights changed, armed
+    with the step's extras (their sums give the step's global weight: `StepExtras.consume`)."""
     reducer = STATE.get(model, "overlap")
     if reducer is None or not reducer.covers(weights):
         if reducer is not None:
@@ -176,6 +178,8 @@ def armed_reducer(model, backend: TorchEngine, rows: int, weights: list, extras=
 def wrap_train_function(model, backend: TorchEngine) -> None:
     """Replaces the model's fresh Keras train function by the distributed one (once)."""
     if model.train_function is not None and model.train_function is not STATE.get(model, "train_function"):
+        if model.jit_compile:   # TorchDynamo's recompile_limit, said once (`recompile_limit`)
+            recompile_limit.watch()
         model.train_function = _distributed_train_function(model, backend, model.train_function)
         STATE.of(model).train_function = model.train_function
 
@@ -212,8 +216,15 @@ def _distributed_train_function(model, backend: TorchEngine, train_function):
 
     def distributed_train_function(data):
         backend.in_train_step = True
+        # Decided before each step, outside any graph, for one worker and a gang alike: the
+        # all-reduce in the compiled graph (a gang only), and the step as one graph
+        # (`compiled_step.applies`: one process takes it where a gang would).
+        backend.gradients_in_graph = gradients.in_graph_applies(model, backend)
+        if backend.gradients_in_graph:   # cached out here: the graph only reads it
+            gradients.unsynchronized_batch_norm_statistics(model, backend)
+        backend.backward_in_graph = compiled_step.applies(model, backend)
         try:
-            with LEDGER.train_step():
+            with LEDGER.train_step(), compiled_step.tracing(backend.backward_in_graph):
                 return train_on(data)
         finally:
             backend.in_train_step = False
@@ -222,6 +233,9 @@ def _distributed_train_function(model, backend: TorchEngine, train_function):
         batch = data[0]
         rows = step_rows(batch)
         backend.rows.begin(rows)
+        if not backend.distributed:
+            # One worker: Keras' logs are already the global ones, and its shard is never empty.
+            return train_function(data)
         STATE.of(model).step_metric_sums = None
         reducer = None
         metrics_first = False
@@ -233,11 +247,10 @@ def _distributed_train_function(model, backend: TorchEngine, train_function):
             metrics_first = metrics_first and reducer.armed
         elif accumulating:
             metrics_first = STATE.of(model).metrics_ride_accumulation = True
-        backend.gradients_in_graph = in_graph = gradients.in_graph_applies(model, backend)
         try:
             if metrics_first:
                 train_step_metrics_first(model, batch if rows else dummy_row(batch), rows)
-            elif in_graph:   # its all-reduce runs inside the compiled graph: guard the graph
+            elif backend.gradients_in_graph:   # its all-reduce runs inside the compiled graph: guard it
                 with backend.guarded("gradient all-reduce"):
                     logs, local_results = _run_step(model, train_function, data, rows)
                 WIRE.add(gradients.in_graph_wire_bytes(backend, model))
