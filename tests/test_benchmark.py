@@ -188,11 +188,12 @@ def test_torch_jit_variant_gets_its_own_ratio_rows_and_the_nightly_gang_is_plann
                       ("keras_mwms", torch_variants.PLAIN_KERAS, 1): 1.0}   # item 5: one process vs plain Keras
     assert "[ours: keras_mwms jit_compile]" in report.ratios_text(analysis.ratio_rows(fits))
     # Issue 36 item 4: graph breaks of the compiled fit and the sync overhead ride in every ratio row.
-    fits[1]["graph_breaks"] = 5
+    fits[1]["graph_breaks"], fits[1]["recompile_limit_hits"] = 5, 0
     overhead = [{"backend": "torch", "model": "mlp", "workers": 2, "variant": torch_variants.OURS_JIT,
                  "global_batch": 256, "sync_overhead_ms": 7.0, "overhead_vs_allreduce": 3.5}]
     row = next(row for row in analysis.ratio_rows(fits, overhead) if row["ours"] == torch_variants.OURS_JIT)
     assert (row["graph_breaks"], row["sync_overhead_ms"], row["overhead_vs_allreduce"]) == (5, 7.0, 3.5)
+    assert row["recompile_limit_hits"] == 0   # every compiled fit compiled its own step
     assert "graph breaks" in report.ratios_text([row]) and "3.50x" in report.ratios_text([row])
     full, quick = config.full_config(backends=("torch",)), config.quick_config(backends=("torch",))
     assert torch_variants.nightly_gang_wanted(full, "torch") == (torch_variants.nightly_overlay() is not None)

@@ -75,10 +75,11 @@ def fit_rows(gangs: Sequence[dict]) -> list[dict]:
                 "variant": fit["variant"], "global_batch": fit["global_batch"], "threads": chief["threads"],
                 "steps_per_second": 0.0,
                 "examples_per_second": 0.0, "all_steps_per_second": [], "first_step_seconds": None,
-                "startup_seconds": None, "graph_breaks": None,
+                "startup_seconds": None, "graph_breaks": None, "recompile_limit_hits": None,
             })
-            if fit.get("graph_breaks") is not None:   # torch.compile'd variants
-                row["graph_breaks"] = max(row["graph_breaks"] or 0, fit["graph_breaks"])
+            for key in ("graph_breaks", "recompile_limit_hits"):   # torch.compile'd variants
+                if fit.get(key) is not None:
+                    row[key] = max(row[key] or 0, fit[key])
             row["all_steps_per_second"].append(fit["steps_per_second"])
             if fit["steps_per_second"] > row["steps_per_second"]:
                 row["steps_per_second"] = fit["steps_per_second"]
@@ -159,6 +160,7 @@ def ratio_rows(fits: Sequence[dict], overhead: Sequence[dict] = ()) -> list[dict
                 "keras_mwms_first_step_seconds": ours.get("first_step_seconds"),
                 "peer_first_step_seconds": theirs.get("first_step_seconds"),
                 "graph_breaks": ours.get("graph_breaks"),
+                "recompile_limit_hits": ours.get("recompile_limit_hits"),
                 "sync_overhead_ms": sync.get("sync_overhead_ms"),
                 "overhead_vs_allreduce": sync.get("overhead_vs_allreduce"),
             })

@@ -46,6 +46,7 @@ class FitTiming:
     global_batch: int
     startup_seconds: float | None = None
     graph_breaks: int | None = None   # torch.compile'd variants: TorchDynamo's graph breaks in fit
+    recompile_limit_hits: int | None = None   # and the functions it stopped compiling (`graph_breaks`)
 
     @classmethod
     def from_times(cls, variant: str, model: str, repeat: int, step_ends: list[float], finished: float,

@@ -104,7 +104,7 @@ def keras_mwms_jit_fit(strategy, config: BenchmarkConfig, model_name: str, repea
     fresh_dynamo_cache()
     with GraphBreaks() as breaks:
         timing = timed_keras_fit(keras, OURS_JIT, model_name, repeat, config, build, fit)
-    timing.graph_breaks = breaks.count
+    timing.graph_breaks, timing.recompile_limit_hits = breaks.count, breaks.recompile_limit_hits
     strategy.barrier(f"{OURS_JIT} {model_name} {repeat} done")
     return timing
 
@@ -129,7 +129,7 @@ def torch_ddp_compiled_fit(strategy, config: BenchmarkConfig, model_name: str, r
     fresh_dynamo_cache()
     with GraphBreaks() as breaks:
         timing = peers.torch_ddp_fit(strategy, config, model_name, repeat, x, y, compiled=True)
-    timing.graph_breaks = breaks.count
+    timing.graph_breaks, timing.recompile_limit_hits = breaks.count, breaks.recompile_limit_hits
     return timing
 
 
