@@ -1,0 +1,149 @@
+"""Where the suite's time goes: one table per run, per test file, printed at the end of `make test`.
+
+For each test file: its wall seconds (setup, call and teardown of its cases, module fixtures
+included), the processes its cases started (every descendant of the pytest process seen alive,
+sampled every `SAMPLE_SECONDS`: gangs, launchers and the workers those start), the CPU seconds
+those processes used (`RUSAGE_CHILDREN`, counted when they were reaped), and its share of the
+suite's wall time. The table is printed in pytest's summary and written to
+`build/suite-budget.txt` (and `.json`), which `make test` prints again last, after the version
+smoke and the benchmark, so every CI log ends with the budget.
+
+The plugin is registered by `tests/conftest.py`; `-p no:suite_budget` turns it off.
+
+    python -m pytest tests/test_log.py        # ... then the table: file | wall s | share | ...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+OUTPUT = REPO / "build" / "suite-budget"
+SAMPLE_SECONDS = 0.5
+
+
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+class _Descendants(threading.Thread):
+    """Samples /proc for processes descending from this one; counts each (pid, start) once."""
+
+    def __init__(self) -> None:
+        super().__init__(name="suite-budget-sampler", daemon=True)
+        self.root = os.getpid()
+        self.seen: set[tuple[int, str]] = set()
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+
+    def count(self) -> int:
+        with self.lock:
+            return len(self.seen)
+
+    def run(self) -> None:
+        while not self.stopping.wait(SAMPLE_SECONDS):
+            parents: dict[int, int] = {}
+            starts: dict[int, str] = {}
+            for entry in os.scandir("/proc"):
+                if not entry.name.isdigit():
+                    continue
+                try:
+                    with open(f"/proc/{entry.name}/stat") as stat:
+                        fields = stat.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                pid = int(entry.name)
+                parents[pid], starts[pid] = int(fields[1]), fields[19]
+            found = []
+            for pid in parents:
+                ancestor, hops = parents[pid], 0
+                while ancestor not in (self.root, 0, 1) and ancestor in parents and hops < 64:
+                    ancestor, hops = parents[ancestor], hops + 1
+                if ancestor == self.root:
+                    found.append((pid, starts[pid]))
+            with self.lock:
+                self.seen.update(found)
+
+
+class SuiteBudget:
+    """The pytest plugin: per-file wall seconds, processes and child CPU seconds."""
+
+    def __init__(self) -> None:
+        self.wall: dict[str, float] = defaultdict(float)
+        self.processes: dict[str, int] = defaultdict(int)
+        self.cpu: dict[str, float] = defaultdict(float)
+        self.cases: dict[str, int] = defaultdict(int)
+        self.sampler = _Descendants() if os.path.isdir("/proc") else None
+        self._file: str | None = None
+        self._marks = (0, 0.0)
+        self.started = time.monotonic()
+
+    def _marks_now(self) -> tuple[int, float]:
+        return (self.sampler.count() if self.sampler else 0, _children_cpu_seconds())
+
+    def _close_file(self) -> None:
+        if self._file is not None:
+            processes, cpu = self._marks_now()
+            self.processes[self._file] += processes - self._marks[0]
+            self.cpu[self._file] += cpu - self._marks[1]
+        self._file = None
+
+    def pytest_sessionstart(self, session) -> None:
+        if self.sampler:
+            self.sampler.start()
+
+    def pytest_runtest_logstart(self, nodeid, location) -> None:
+        file = nodeid.split("::", 1)[0]
+        if file != self._file:
+            self._close_file()
+            self._file, self._marks = file, self._marks_now()
+
+    def pytest_runtest_logreport(self, report) -> None:
+        file = report.nodeid.split("::", 1)[0]
+        self.wall[file] += report.duration
+        if report.when == "call":
+            self.cases[file] += 1
+
+    def rows(self) -> list[dict]:
+        total = sum(self.wall.values()) or 1.0
+        return [{"file": file, "wall_s": round(seconds, 1), "share": round(seconds / total, 4),
+                 "cases": self.cases[file], "processes": self.processes[file],
+                 "child_cpu_s": round(self.cpu[file], 1)}
+                for file, seconds in sorted(self.wall.items(), key=lambda item: -item[1])]
+
+    def table(self) -> str:
+        rows = self.rows()
+        lines = ["suite budget (per test file; processes = descendants of pytest seen alive; "
+                 "child CPU = their user+system seconds):",
+                 f"{'file':<34} {'wall s':>8} {'share':>6} {'cases':>6} {'procs':>6} {'child CPU s':>12}"]
+        for row in rows:
+            lines.append(f"{row['file'].removeprefix('tests/'):<34} {row['wall_s']:>8.1f} "
+                         f"{row['share']:>6.1%} {row['cases']:>6} {row['processes']:>6} {row['child_cpu_s']:>12.1f}")
+        lines.append(f"{'total':<34} {sum(r['wall_s'] for r in rows):>8.1f} {'100%':>6} "
+                     f"{sum(r['cases'] for r in rows):>6} {sum(r['processes'] for r in rows):>6} "
+                     f"{sum(r['child_cpu_s'] for r in rows):>12.1f}")
+        lines.append(f"pytest wall from session start: {time.monotonic() - self.started:.0f} s")
+        return "\n".join(lines)
+
+    def pytest_sessionfinish(self, session) -> None:
+        self._close_file()
+        if self.sampler:
+            self.sampler.stopping.set()
+        if not self.wall:
+            return
+        OUTPUT.parent.mkdir(exist_ok=True)
+        OUTPUT.with_suffix(".txt").write_text(self.table() + "\n")
+        OUTPUT.with_suffix(".json").write_text(json.dumps(self.rows(), indent=1) + "\n")
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        self._close_file()
+        if self.wall:
+            terminalreporter.write_sep("=", "suite budget")
+            terminalreporter.write_line(self.table())
