@@ -15,12 +15,14 @@ The plugin is registered by `tests/conftest.py`; `-p no:suite_budget` turns it o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -75,8 +77,12 @@ class _Descendants(threading.Thread):
 class SuiteBudget:
     """The pytest plugin: per-file wall seconds, processes and child CPU seconds."""
 
+    current: SuiteBudget | None = None   # the plugin of this session, for `charged_to`
+
     def __init__(self) -> None:
+        SuiteBudget.current = self
         self.wall: dict[str, float] = defaultdict(float)
+        self.moved: dict[str, float] = defaultdict(float)
         self.processes: dict[str, int] = defaultdict(int)
         self.cpu: dict[str, float] = defaultdict(float)
         self.cases: dict[str, int] = defaultdict(int)
@@ -111,12 +117,22 @@ class SuiteBudget:
         if report.when == "call":
             self.cases[file] += 1
 
+    def charge(self, label: str, seconds: float, processes: int, cpu: float) -> None:
+        """Moves work done during the current file's case to `label` (a shared run it started)."""
+        if self._file is not None:
+            self.moved[self._file] += seconds
+            self._marks = (self._marks[0] + processes, self._marks[1] + cpu)
+        self.wall[label] += seconds
+        self.processes[label] += processes
+        self.cpu[label] += cpu
+
     def rows(self) -> list[dict]:
-        total = sum(self.wall.values()) or 1.0
+        wall = {file: seconds - self.moved[file] for file, seconds in self.wall.items()}
+        total = sum(wall.values()) or 1.0
         return [{"file": file, "wall_s": round(seconds, 1), "share": round(seconds / total, 4),
                  "cases": self.cases[file], "processes": self.processes[file],
                  "child_cpu_s": round(self.cpu[file], 1)}
-                for file, seconds in sorted(self.wall.items(), key=lambda item: -item[1])]
+                for file, seconds in sorted(wall.items(), key=lambda item: -item[1])]
 
     def table(self) -> str:
         rows = self.rows()
@@ -142,8 +158,28 @@ class SuiteBudget:
         OUTPUT.with_suffix(".txt").write_text(self.table() + "\n")
         OUTPUT.with_suffix(".json").write_text(json.dumps(self.rows(), indent=1) + "\n")
 
+    def pytest_unconfigure(self, config) -> None:
+        if SuiteBudget.current is self:
+            SuiteBudget.current = None
+
     def pytest_terminal_summary(self, terminalreporter) -> None:
         self._close_file()
         if self.wall:
             terminalreporter.write_sep("=", "suite budget")
             terminalreporter.write_line(self.table())
+
+
+@contextlib.contextmanager
+def charged_to(label: str) -> Iterator[None]:
+    """Counts the block's wall seconds, processes and child CPU seconds under `label` instead of
+    the test file running it (work that many files share, e.g. `tests.shared_gangs`)."""
+    budget = SuiteBudget.current
+    if budget is None:
+        yield
+        return
+    started, (processes, cpu) = time.monotonic(), budget._marks_now()
+    try:
+        yield
+    finally:
+        now = budget._marks_now()
+        budget.charge(label, time.monotonic() - started, now[0] - processes, now[1] - cpu)

@@ -35,11 +35,12 @@ import shlex
 import pytest
 
 from keras_mwms.backends.compression import relative_rounding
-from tests.multiworker import Spawn, gang_spawns, python_worker, run_one_process, run_processes, worker_env
+from tests.multiworker import python_worker, run_one_process, worker_env
+from tests.shared_gangs import SHARED, SINGLE, Runner
 from tests.workers.common import max_weight_difference
 from tests.workers.fit_scenario import load_dump
 
-RUN_TIMEOUT = 300          # gang + reference of one backend; ~25-45 s alone on 2 cores
+RUN_TIMEOUT = 300          # gang + reference of one backend; ~25-45 s alone on 2 cores (k2_jit: 270 s)
 TOLERANCE = 1e-5
 BASE = ["--verbose", "0", "--seed", "100", "--rows", "200", "--batch-size", "31"]
 SCENARIOS = {"k2": ["--accumulation", "2"], "k3": ["--accumulation", "3", "--optimizer", "adam"],
@@ -64,26 +65,29 @@ def _scenarios(backend: str) -> dict:
     return {**SCENARIOS, **{"jax": DATA_PARALLEL, "torch": COMPILED}.get(backend, {})}
 
 
-def _command(out: str, backend: str) -> list[str]:
+def _argv(backend: str) -> list[str]:
     scenarios = [part for name, flags in _scenarios(backend).items()
                  for part in ("--scenario", f"{name}: {shlex.join(flags)}")]
-    return python_worker("fit_scenario.py", out, *BASE, *scenarios)
+    return ["{out}", *BASE, *scenarios]
+
+
+# The backend's gang of 2 and its one-process reference: the shared warm processes
+# (`tests/shared_gangs.py`), every scenario one after another in each.
+for _backend in ("tensorflow", "jax", "torch"):
+    for _runner in (Runner(_backend, 2), Runner(_backend, SINGLE)):
+        SHARED.add(__name__, _runner, "scenarios", "fit_scenario", _argv(_backend), seconds=RUN_TIMEOUT)
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
-def runs(request, tmp_path_factory):
-    """The backend's gang (both scenarios) and the one-process reference, run at the same time."""
+def runs(request, shared_runs):
+    """The backend's folders: {"gang": ..., "reference": ...}, each with a folder per scenario."""
     backend = request.param
-    root = tmp_path_factory.mktemp(f"accumulation-{backend}")
-    spawns = gang_spawns(_command(str(root / "gang"), backend), 2, worker_env(backend))
-    spawns.append(Spawn(_command(str(root / "reference"), backend), worker_env(backend)))
-    ran = run_processes(spawns, timeout=RUN_TIMEOUT, grace_after_failure=60)
-    assert ran.codes == [0, 0, 0], ran.log()
-    return backend, root
+    return backend, {"gang": shared_runs.folder(Runner(backend, 2), __name__, "scenarios"),
+                     "reference": shared_runs.folder(Runner(backend, SINGLE), __name__, "scenarios")}
 
 
-def _dump(root, run: str, name: str, index: int) -> dict:
-    return load_dump(os.path.join(root, run, name), index)
+def _dump(folders, run: str, name: str, index: int) -> dict:
+    return load_dump(os.path.join(folders[run], name), index)
 
 
 @pytest.mark.slow

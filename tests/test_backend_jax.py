@@ -1,13 +1,14 @@
 """Multi-process acceptance tests of the JAX backend (`keras_mwms/backends/jax/`).
 
-Each scenario runs `tests/workers/fit_scenario.py` once as a real gang (fit + evaluate + predict
-+ dumps), two gangs at a time; one process without TF_CONFIG runs every scenario's single-process
-reference, one after another (`--scenario`), in the background while the gangs run. The tests
+Each scenario runs `tests/workers/fit_scenario.py` once (fit + evaluate + predict + dumps) in the
+suite's shared warm gang of its size and environment, and the shared process without TF_CONFIG
+runs every scenario's single-process reference (`tests/shared_gangs.py`). The tests
 compare the dumps with numpy only, so this pytest process never imports JAX or Keras.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import sys
@@ -15,15 +16,8 @@ import sys
 import numpy as np
 import pytest
 
-from tests.multiworker import (
-    Spawn,
-    concurrently,
-    python_worker,
-    run_gang,
-    start_processes,
-    watch_gang,
-    worker_env,
-)
+from tests.multiworker import python_worker, run_gang, watch_gang, worker_env
+from tests.shared_gangs import SHARED, SINGLE, Runner, gang
 from tests.workers.common import load_result
 from tests.workers.fit_scenario import load_dump
 
@@ -79,33 +73,34 @@ REFERENCED = [name for name, spec in SCENARIOS.items() if "reference" not in spe
 assert all(set(SCENARIOS[name].get("env", {})) <= {"JAX_NUM_CPU_DEVICES"} for name in REFERENCED)
 
 
-def _reference_command(out: str) -> list[str]:
-    scenarios = [part for name in REFERENCED
-                 for part in ("--scenario", f"{name}: {shlex.join(SCENARIOS[name]['args'])}")]
-    return _fit_scenario(out, *scenarios)
+def _runner(name: str) -> Runner:
+    """The shared warm gang (`tests/shared_gangs.py`) of the scenario's size and environment."""
+    spec = SCENARIOS[name]
+    if "env" not in spec:
+        return gang("jax", spec["workers"])
+    return Runner("jax", spec["workers"], env=tuple(sorted(spec["env"].items())))
+
+
+REFERENCE = Runner("jax", SINGLE)
+for _name, _spec in SCENARIOS.items():
+    SHARED.add(__name__, _runner(_name), _name, "fit_scenario", ["{out}", *BASE, *_spec["args"]],
+               seconds=GANG_TIMEOUT)
+SHARED.add(__name__, REFERENCE, "references", "fit_scenario",
+           ["{out}", *BASE, *(part for name in REFERENCED
+                              for part in ("--scenario", f"{name}: {shlex.join(SCENARIOS[name]['args'])}"))],
+           seconds=REFERENCE_TIMEOUT * len(REFERENCED))
 
 
 @pytest.fixture(scope="module")
-def scenario_runs(tmp_path_factory):
-    """Runs every scenario's gang once, two at a time, the references in one process beside them;
-    returns {name: (reference, [worker dumps])}."""
-    reference_dir = tmp_path_factory.mktemp("references")
-    gang_dirs = {name: tmp_path_factory.mktemp(f"{name}_gang") for name in SCENARIOS}
-
-    def gang(name):
-        spec = SCENARIOS[name]
-        result = run_gang(_fit_scenario(str(gang_dirs[name]), *spec["args"]), spec["workers"],
-                          GANG_TIMEOUT, env=worker_env("jax", **spec.get("env", {})))
-        assert result.returncode == 0, result.output[-8000:]
-        return [load_dump(str(gang_dirs[name]), index) for index in range(spec["workers"])]
-
-    with start_processes([Spawn(_reference_command(str(reference_dir)), worker_env("jax"))],
-                         REFERENCE_TIMEOUT * len(REFERENCED)) as references:
-        gangs = concurrently(gang, SCENARIOS, at_once=2)
-        ran = references.result()
-    assert ran.codes == [0], ran.log()
-    return {name: (load_dump(str(reference_dir / name), 0) if name in REFERENCED else None, workers)
-            for name, workers in gangs.items()}
+def scenario_runs(shared_runs):
+    """{name: (reference dump or None, [worker dumps])} from the shared gangs and reference."""
+    references = shared_runs.folder(REFERENCE, __name__, "references")
+    runs = {}
+    for name, spec in SCENARIOS.items():
+        folder = shared_runs.folder(_runner(name), __name__, name)
+        runs[name] = (load_dump(os.path.join(references, name), 0) if name in REFERENCED else None,
+                      [load_dump(folder, index) for index in range(spec["workers"])])
+    return runs
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))

@@ -1,9 +1,8 @@
 """keras_mwms on the TensorFlow backend, with real worker processes.
 
-Each scenario of `tests/workers/fit_scenario.py` runs once (module-scoped fixtures) as a gang of
-workers and, where equivalence is checked, once more as the single-process reference without
-TF_CONFIG (one process for every scenario, in the background while the gangs run); the tests
-read the dumps. Nothing here imports TensorFlow or Keras: the pytest process stays backend-free.
+Each scenario of `tests/workers/fit_scenario.py` runs once in the suite's shared warm gang of its
+size and, where equivalence is checked, once more in the shared single-process reference
+without TF_CONFIG (`tests/shared_gangs.py`); the tests read the dumps. Nothing here imports TensorFlow or Keras: the pytest process stays backend-free.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import pytest
 
 from keras_mwms.launch import find_free_ports
 from tests.multiworker import Spawn, python_worker, run_gang, run_processes, start_processes, worker_env
+from tests.shared_gangs import SHARED, SINGLE, Runner, gang
 from tests.workers.common import load_result, load_weights, max_weight_difference
 
 pytestmark = pytest.mark.tensorflow
@@ -42,45 +42,36 @@ def _fit_scenario(out: str, *flags: str) -> list[str]:
     return python_worker("fit_scenario.py", out, *BASE, *flags)
 
 
-def _run_workers(workers: int, out: str, *flags: str):
-    result = run_gang(_fit_scenario(out, *flags), workers, GANG_TIMEOUT, env=worker_env("tensorflow"))
-    assert result.returncode == 0, result.output[-8000:]
-    return result
-
-
-@pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """One process without TF_CONFIG runs every scenario's reference (`--scenario NAME: ...`, the
-    flags less the gang-only ones), in the background from the first gang on."""
-    root = tmp_path_factory.mktemp("single")
-    gang_only = ("--seed-by-worker", "--jit-compile")
-    scenarios = [part for name in sorted(SCENARIOS) for part in (
-        "--scenario", f"{name}: {shlex.join(a for a in SCENARIOS[name][1] if a not in gang_only)}")]
-    with start_processes([Spawn(_fit_scenario(str(root), *scenarios), worker_env("tensorflow"))],
-                         GANG_TIMEOUT) as run:
-        yield root, run
+# The suite's shared warm processes (`tests/shared_gangs.py`): each scenario in the gang of its
+# size; every scenario's reference in the one process without TF_CONFIG (the flags less the
+# gang-only ones).
+REFERENCE = Runner("tensorflow", SINGLE)
+GANG_ONLY = ("--seed-by-worker", "--jit-compile")
+for _name, (_workers, _flags) in SCENARIOS.items():
+    SHARED.add(__name__, gang("tensorflow", _workers), _name, "fit_scenario", ["{out}", *BASE, *_flags],
+               seconds=GANG_TIMEOUT)
+SHARED.add(__name__, REFERENCE, "references", "fit_scenario",
+           ["{out}", *BASE, *(part for name in sorted(SCENARIOS) for part in (
+               "--scenario", f"{name}: {shlex.join(a for a in SCENARIOS[name][1] if a not in GANG_ONLY)}"))],
+           seconds=GANG_TIMEOUT)
+# --shuffle: fit's default, which shuffles the order of a PyDataset's batches.
+SHARED.add(__name__, Runner("tensorflow", 2), "dropout_pydataset", "fit_scenario",
+           ["{out}", *BASE, "--data", "pydataset", "--shuffle", "--dropout", "0.3", "--validation", "data",
+            "--seed-by-worker"], seconds=GANG_TIMEOUT)
+SHARED.add(__name__, Runner("tensorflow", 2), "shard_off", "fit_scenario",
+           ["{out}", *BASE, "--data", "dataset_off", "--rows", "220"], seconds=GANG_TIMEOUT)
 
 
 @pytest.fixture(scope="module", params=sorted(SCENARIOS))
-def equivalence_run(request, tmp_path_factory, references):
-    workers, arguments = SCENARIOS[request.param]
-    root = tmp_path_factory.mktemp(request.param)
-    gang = _run_workers(workers, str(root / "gang"), *arguments)
-    single, reference = references[0], references[1].result()
-    assert reference.codes == [0], reference.log()
-    return {"name": request.param, "workers": workers, "gang": str(root / "gang"), "single": str(single / request.param),
-            "gang_result": gang, "reference_output": reference.outputs[0]}
-
-
-@pytest.mark.slow
-def test_workers_end_bit_identical_and_equal_one_process(equivalence_run):
-    gang, workers = equivalence_run["gang"], equivalence_run["workers"]
-    first = load_weights(gang, 0)
-    for index in range(1, workers):
-        assert max_weight_difference(load_weights(gang, index), first) == 0.0
-    delta = max_weight_difference(first, load_weights(equivalence_run["single"], 0))
-    print(f"max|Δw| vs one process ({equivalence_run['name']}, {workers} workers): {delta:.3g}")
-    assert delta <= EQUIVALENCE_TOLERANCE
+def equivalence_run(request, shared_runs):
+    workers, _ = SCENARIOS[request.param]
+    runner = gang("tensorflow", workers)
+    return {"name": request.param, "workers": workers,
+            "gang": shared_runs.folder(runner, __name__, request.param),
+            "single": os.path.join(shared_runs.folder(REFERENCE, __name__, "references"), request.param),
+            "gang_result": shared_runs.output(runner, __name__, request.param),
+            "reference_output": shared_runs.output(REFERENCE).output,
+            "reference_job_output": shared_runs.output(REFERENCE, __name__, "references").output}
 
 
 @pytest.mark.slow
@@ -145,16 +136,16 @@ def test_only_the_chief_shows_a_progress_bar(equivalence_run):
 
 @pytest.mark.slow
 def test_single_worker_warns_once(equivalence_run):
-    assert equivalence_run["reference_output"].count("is running a single worker") == 1
+    """When the strategy starts without a cluster (the shared reference process, before its first
+    job), and not again at any fit."""
+    before_jobs, _, jobs = equivalence_run["reference_output"].partition("=== job ")
+    assert before_jobs.count("is running a single worker") == 1, before_jobs[-3000:]
+    assert "is running a single worker" not in equivalence_run["reference_job_output"]
 
 
 @pytest.fixture(scope="module")
-def dropout_pydataset_run(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("dropout") / "gang")
-    # --shuffle: fit's default, which shuffles the order of a PyDataset's batches.
-    _run_workers(2, out, "--data", "pydataset", "--shuffle", "--dropout", "0.3", "--validation", "data",
-                 "--seed-by-worker")
-    return out
+def dropout_pydataset_run(shared_runs):
+    return shared_runs.folder(Runner("tensorflow", 2), __name__, "dropout_pydataset")
 
 
 @pytest.mark.slow
@@ -168,10 +159,9 @@ def test_dropout_on_pydataset_with_validation_stays_bit_identical(dropout_pydata
 
 
 @pytest.fixture(scope="module")
-def unsharded_run(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("shard_off") / "gang")
-    result = _run_workers(2, out, "--data", "dataset_off", "--rows", "220")
-    return out, result
+def unsharded_run(shared_runs):
+    gang = Runner("tensorflow", 2)
+    return shared_runs.folder(gang, __name__, "shard_off"), shared_runs.output(gang, __name__, "shard_off")
 
 
 @pytest.mark.slow

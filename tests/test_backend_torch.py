@@ -1,8 +1,8 @@
 """Multi-process acceptance tests of the PyTorch backend (`keras_mwms/backends/torch/`).
 
-The scenarios of `tests/workers/fit_scenario.py` run once (module-scoped fixtures): several in
-one real gang of worker processes (start-up is paid once) plus, for equivalence, the same script
-as a single process without TF_CONFIG, all at once; the assertions read the dumped weights and results.
+The scenarios of `tests/workers/fit_scenario.py` run once, in the suite's shared warm gangs of 2
+and 3 torch workers and, for equivalence, its shared process without TF_CONFIG
+(`tests/shared_gangs.py`); the assertions read the dumped weights and results.
 Nothing here imports torch or keras in the pytest process.
 """
 
@@ -15,7 +15,8 @@ import shlex
 import numpy as np
 import pytest
 
-from tests.multiworker import concurrently, python_worker, run_gang, run_one_process, watch_gang, worker_env
+from tests.multiworker import python_worker, run_one_process, watch_gang, worker_env
+from tests.shared_gangs import SHARED, SINGLE, Runner, gang
 from tests.workers import common
 
 pytestmark = [pytest.mark.torch]
@@ -47,20 +48,19 @@ THREE_WORKER_SCENARIOS = ("dataloader_bn", "pydataset_adam")
 REFERENCE_SCENARIOS = ("sgd_arrays", "tfdata_adam", "dataloader_bn", "pydataset_adam", "jit_eager")
 
 
-def _fit_scenarios(out: str, names) -> list[str]:
-    """One fit_scenario.py command running the named scenarios one after another."""
+def _argv(names) -> list[str]:
+    """fit_scenario.py's command line running the named scenarios one after another."""
     scenarios = [argument for name in names for argument in ("--scenario", f"{name}: {shlex.join(SCENARIOS[name])}")]
-    return python_worker("fit_scenario.py", out, *BASE, *scenarios)
+    return ["{out}", *BASE, *scenarios]
 
 
-def _reference(out: str, names) -> None:
-    run_one_process(_fit_scenarios(out, names), GANG_TIMEOUT, env=worker_env("torch"))
-
-
-def _gang(workers: int, out: str, names):
-    result = run_gang(_fit_scenarios(out, names), workers, GANG_TIMEOUT, env=worker_env("torch"))
-    assert result.returncode == 0, result.output[-8000:]
-    return result
+# The shared warm processes (`tests/shared_gangs.py`): the gangs of 2 and 3 and the one process
+# without TF_CONFIG that runs every equivalence scenario's reference.
+RUNNERS = {"two_workers": (Runner("torch", 2), TWO_WORKER_SCENARIOS),
+           "three_workers": (gang("torch", 3), THREE_WORKER_SCENARIOS),
+           "reference": (Runner("torch", SINGLE), REFERENCE_SCENARIOS)}
+for _runner, _names in RUNNERS.values():
+    SHARED.add(__name__, _runner, "scenarios", "fit_scenario", _argv(_names), seconds=GANG_TIMEOUT)
 
 
 class Scenario:
@@ -89,15 +89,9 @@ class Scenario:
 
 
 @pytest.fixture(scope="module")
-def run_dirs(tmp_path_factory) -> dict[str, str]:
-    """Every equivalence scenario once in one process without TF_CONFIG, beside the gangs of 2
-    and 3 (a lone process leaves a core idle): {"reference" | "two_workers" | "three_workers": folder}."""
-    outs = {name: str(tmp_path_factory.mktemp(name)) for name in ("reference", "two_workers", "three_workers")}
-    runs = {"reference": lambda: _reference(outs["reference"], REFERENCE_SCENARIOS),
-            "two_workers": lambda: _gang(2, outs["two_workers"], TWO_WORKER_SCENARIOS),
-            "three_workers": lambda: _gang(3, outs["three_workers"], THREE_WORKER_SCENARIOS)}
-    concurrently(lambda name: runs[name](), runs)
-    return outs
+def run_dirs(shared_runs) -> dict[str, str]:
+    """{"reference" | "two_workers" | "three_workers": the folder of its scenarios}."""
+    return {name: shared_runs.folder(runner, __name__, "scenarios") for name, (runner, _) in RUNNERS.items()}
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
 """Gradient compression (`CommunicationOptions(compression=...)`) with real 2-worker gangs.
 
-Per backend one run of `tests/workers/fit_scenario.py` as a gang of 2 on localhost serves three
-scenarios in the same processes (uncompressed, bf16, fp16), and the uncompressed scenario runs
-alongside as one process without TF_CONFIG (the reference), which also records each weight's
+Per backend the suite's shared warm gang of 2 (`tests/shared_gangs.py`) runs the scenarios of
+`tests/workers/fit_scenario.py` one after another (uncompressed, bf16, fp16, and the backend's
+own paths), and the shared process without TF_CONFIG runs the uncompressed one (the
+reference), which also records each weight's
 path length `S = Σ_k |w_k+1 - w_k|` over the steps. The tests assert:
 
 * workers are bit-identical under bf16 and under fp16 (every worker sums the same 16-bit values
@@ -33,7 +34,7 @@ import pytest
 from keras_mwms.backends.compression import WireBytes, relative_rounding, wire_dtype
 from keras_mwms.benchmark import compression as benchmark
 from keras_mwms.communication import COMPRESSION_ENV, CommunicationOptions
-from tests.multiworker import Spawn, gang_spawns, python_worker, run_processes, worker_env
+from tests.shared_gangs import SHARED, SINGLE, Runner
 from tests.workers.common import max_weight_difference
 from tests.workers.fit_scenario import load_dump
 
@@ -58,25 +59,30 @@ BACKENDS = [pytest.param("tensorflow", marks=pytest.mark.tensorflow),
             pytest.param("torch", marks=pytest.mark.torch)]
 
 
-def _command(out: str, names) -> list[str]:
+def _argv(names) -> list[str]:
     scenarios = [part for name in names for part in ("--scenario", f"{name}: {shlex.join(SCENARIOS[name])}")]
-    return python_worker("fit_scenario.py", out, *BASE, *scenarios)
+    return ["{out}", *BASE, *scenarios]
+
+
+# The backend's shared warm gang of 2 runs every scenario; its shared process without TF_CONFIG
+# the uncompressed one, recording path lengths (`tests/shared_gangs.py`).
+for _backend, _names in COMPRESSED.items():
+    SHARED.add(__name__, Runner(_backend, 2), "scenarios", "fit_scenario", _argv(("plain", *_names)),
+               seconds=RUN_TIMEOUT)
+    SHARED.add(__name__, Runner(_backend, SINGLE), "reference", "fit_scenario", [*_argv(["plain"]), "--record-path"],
+               seconds=RUN_TIMEOUT)
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
-def runs(request, tmp_path_factory):
-    """The backend's gang (every scenario) and the one-process reference, run at the same time."""
+def runs(request, shared_runs):
+    """The backend, and its folders {"gang": ..., "reference": ...} with a folder per scenario."""
     backend = request.param
-    root = tmp_path_factory.mktemp(f"compression-{backend}")
-    spawns = gang_spawns(_command(str(root / "gang"), ("plain", *COMPRESSED[backend])), 2, worker_env(backend))
-    spawns.append(Spawn(_command(str(root / "reference"), ["plain"]) + ["--record-path"], worker_env(backend)))
-    ran = run_processes(spawns, timeout=RUN_TIMEOUT, grace_after_failure=60)
-    assert ran.codes == [0, 0, 0], ran.log()
-    return backend, root
+    return backend, {"gang": shared_runs.folder(Runner(backend, 2), __name__, "scenarios"),
+                     "reference": shared_runs.folder(Runner(backend, SINGLE), __name__, "reference")}
 
 
-def _dump(root, run: str, name: str, index: int) -> dict:
-    return load_dump(os.path.join(root, run, name), index)
+def _dump(folders, run: str, name: str, index: int) -> dict:
+    return load_dump(os.path.join(folders[run], name), index)
 
 
 @pytest.mark.slow
@@ -92,7 +98,7 @@ def test_compressed_workers_are_bit_identical(runs):
 def test_compressed_training_stays_within_the_16_bit_rounding_bound(runs):
     backend, root = runs
     reference = _dump(root, "reference", "plain", 0)
-    with np.load(os.path.join(root, "reference", "plain", "w0.path.npz")) as lengths:
+    with np.load(os.path.join(root["reference"], "plain", "w0.path.npz")) as lengths:
         path = max(float(lengths[name].max()) for name in lengths.files)
     plain = max_weight_difference(_dump(root, "gang", "plain", 0)["final"], reference["final"])
     assert plain <= FLOAT32_NOISE, (backend, plain)

@@ -27,8 +27,9 @@ shuffled (shared seed, reshuffle_each_iteration) under AutoShardPolicy AUTO and 
 generator of global batches with steps_per_epoch; tf.data under AutoShardPolicy.OFF.
 
 50 rows in global batches of 8 make uneven splits (3/3/2 on 3 workers) and partial last batches
-(2 rows: 1/1/0, an empty shard). One gang per (backend, worker count) runs every input variant,
-and one plain-Keras process per backend is the reference; runs start lazily, once per module.
+(2 rows: 1/1/0, an empty shard). The suite's shared warm gang per (backend, worker count) runs
+every input variant, and its shared plain-Keras process per backend is the reference
+(`tests/shared_gangs.py`).
 
 `AutoShardPolicy.OFF` (variant `tfdata_off`): each worker feeds its own rows (`off_part`), so
 there is no single-process run with the same data, and how the workers' batches combine into
@@ -41,14 +42,14 @@ the batch sizes of (b) and the order of (d) are not, and are not asserted.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from fractions import Fraction
 
 import numpy as np
 import pytest
 
-from tests.multiworker import REPO, python_worker, run_gang, worker_env
+from tests.multiworker import REPO
+from tests.shared_gangs import LATE, PLAIN, SHARED, Runner, gang
 
 sys.path.insert(0, str(REPO / "tests" / "workers"))
 import common  # noqa: E402
@@ -97,37 +98,27 @@ class Run:
                 np.asarray(result["epochs"], dtype=int))
 
 
-def _run(backend: str, workers: int, out: str) -> Run:
-    if workers == 1:
-        env = dict(os.environ, **worker_env(backend))
-        env.pop("TF_CONFIG", None)
-        try:
-            completed = subprocess.run(python_worker("row_ledger.py", out, backend, "--plain"),
-                                       env=env, capture_output=True, text=True, timeout=GANG_TIMEOUT)
-        except subprocess.TimeoutExpired as error:
-            return Run(backend, 1, out, str(error.stdout or ""), f"timed out after {GANG_TIMEOUT} s")
-        failure = None if completed.returncode == 0 else f"exit code {completed.returncode}"
-        return Run(backend, 1, out, completed.stdout + completed.stderr, failure)
-    try:
-        gang = run_gang(python_worker("row_ledger.py", out, backend), workers, GANG_TIMEOUT,
-                        env=worker_env(backend))
-    except AssertionError as error:   # the deadline passed: read what the workers dumped
-        return Run(backend, workers, out, str(error), f"gang timed out after {GANG_TIMEOUT} s")
-    failure = (None if gang.returncode == 0
-               else f"worker {gang.failed_worker} exited with code {gang.returncode}")
-    return Run(backend, workers, out, gang.output, failure)
+def _runner(backend: str, workers: int) -> Runner:
+    """The suite's shared warm processes (`tests/shared_gangs.py`): its gangs of 2 and 3, and
+    its plain-Keras process as the reference (workers = 1)."""
+    return Runner(backend, PLAIN) if workers == 1 else gang(backend, workers)
+
+
+# After the shared processes' other jobs (`LATE`): a variant that leaves the workers at different
+# step counts may leave the gang's collectives unusable.
+for _backend in BACKENDS:
+    for _workers in (1, *WORKER_COUNTS):
+        SHARED.add(__name__, _runner(_backend, _workers), "variants", "row_ledger",
+                   ["{out}", _backend, *(["--plain"] if _workers == 1 else [])], seconds=GANG_TIMEOUT, order=LATE)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """`runs(backend, workers)`: that run, started on first use (workers=1: the reference)."""
-    cache: dict[tuple[str, int], Run] = {}
-
+def runs(shared_runs):
+    """`runs(backend, workers)`: that run's dumps (workers=1: the reference)."""
     def get(backend: str, workers: int) -> Run:
-        if (backend, workers) not in cache:
-            out = str(tmp_path_factory.mktemp(f"ledger-{backend}-{workers}"))
-            cache[backend, workers] = _run(backend, workers, out)
-        return cache[backend, workers]
+        runner = _runner(backend, workers)
+        out = shared_runs.folder(runner, __name__, "variants")
+        return Run(backend, workers, out, shared_runs.output(runner, __name__, "variants").output, None)
 
     return get
 

@@ -18,7 +18,13 @@ import uuid
 
 import pytest
 
-from keras_mwms.diagnostics.straggler import REPORT_ENV, format_report, stragglers, worth_printing
+from keras_mwms.diagnostics.straggler import (
+    PRINT_MIN_SECONDS,
+    REPORT_ENV,
+    format_report,
+    stragglers,
+    worth_printing,
+)
 from tests.multiworker import REPO, WORKERS_DIR, concurrently, run_launcher, selected_params, worker_env
 
 sys.path.insert(0, str(REPO / "tests" / "workers"))
@@ -88,7 +94,12 @@ def test_the_chief_names_the_slow_worker_every_epoch_and_nobody_without_a_delay(
     delayed = [report for report in reports if report["fit"] == "delayed"]
     assert [report["epoch"] for report in plain] == [0, 1], log
     assert [report["epoch"] for report in delayed] == [0, 1], log
-    assert all(report["stragglers"] == [] for report in plain), plain
+    # Without a delay nobody is named, or only by jitter below what a user is ever shown
+    # (`PRINT_MIN_SECONDS`): three gangs share 2 cores here, so a worker descheduled for 0.14 s
+    # of an epoch once crossed the 20 %-and-5-ms-per-step naming rule (CI, torch, stop 41).
+    for report in plain:
+        own = {int(worker): times["data"] + times["compute"] for worker, times in report["times"].items()}
+        assert all(own[worker] - min(own.values()) < PRINT_MIN_SECONDS for worker in report["stragglers"]), plain
     assert all(report["stragglers"] == [1] for report in delayed), delayed
     for report in delayed:   # worker 1 waited for its data; worker 0 waited for worker 1
         slow, fast = report["times"]["1"], report["times"]["0"]
@@ -97,7 +108,9 @@ def test_the_chief_names_the_slow_worker_every_epoch_and_nobody_without_a_delay(
             # On TensorFlow the step is one in-graph entry that also waits for the prefetched
             # batch, so its "collective" seconds hold worker 1's own data wait as well.
             assert fast["collective"] > slow["collective"], report
-    assert "straggler: worker 1" in result.output and "straggler: none" in result.output
+    assert "straggler: worker 1" in result.output
+    if any(report["stragglers"] == [] for report in plain):   # `--report`: every epoch's table prints
+        assert "straggler: none" in result.output
     # The chief's TensorBoard has the per-worker times; nobody else wrote any.
     events = glob.glob(os.path.join(out, "tb", "**", "events.out.tfevents.*"), recursive=True)
     written = b"".join(open(path, "rb").read() for path in events)

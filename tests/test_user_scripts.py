@@ -7,10 +7,11 @@ accumulation, loss scaling, the custom `train_step` of each backend's Keras guid
 (and later fits on the same arrays), `*_on_batch` with sample and class weights, a
 `timeseries_dataset_from_array` LSTM, shuffled PyDatasets, evaluate/predict on sizes that do not
 divide the batch, BatchNormalization by default, per worker and in keras.io's transfer-learning
-recipe, ...) in one gang
-of 2 workers per backend, and once more with `--plain` in one process of plain Keras (no
-keras_mwms imported), and once as one keras_mwms worker without TF_CONFIG (which must behave
-like plain Keras). Every assertion reads the dumps of those three runs.
+recipe, ...) in the suite's
+shared warm gang of 2 workers per backend, once more in its shared process of plain Keras (no
+keras_mwms imported), and once in its shared keras_mwms worker without TF_CONFIG (which must
+behave like plain Keras); the uneven-split variants also in its shared gang of 3
+(`tests/shared_gangs.py`). Every assertion reads the dumps of those runs.
 
 Tolerance: every variant trains at most 24 steps, where the reduction-order noise of a 2-worker
 all-reduce stays below 1e-6 even under Adam (4e-8 measured after 20 steps);
@@ -27,7 +28,8 @@ import sys
 import numpy as np
 import pytest
 
-from tests.multiworker import REPO, Spawn, python_worker, run_gang, start_processes, worker_env
+from tests.multiworker import REPO
+from tests.shared_gangs import LAST, PLAIN, SHARED, SINGLE, Runner, gang
 
 sys.path.insert(0, str(REPO / "tests" / "workers"))
 import common  # noqa: E402
@@ -70,57 +72,68 @@ VARIANTS = _variants()
 
 
 class Runs:
-    """One backend's gang (2 workers), single-worker and plain-Keras reference dumps."""
+    """One backend's gang (2 or 3 workers), single-worker and plain-Keras reference dumps."""
 
-    def __init__(self, backend: str, gang_dir: str, reference_dir: str, single_dir: str, output: str):
+    def __init__(self, backend: str, gang_dir: str, reference_dir: str, single_dir: str, output: str,
+                 lifecycle_dirs: dict[str, str] | None = None):
         self.backend, self.gang_dir, self.reference_dir, self.output = backend, gang_dir, reference_dir, output
         self.single_dir = single_dir
+        self.lifecycle_dirs = lifecycle_dirs or {}
+
+    def _folder(self, run: str, variant: str) -> str:
+        if variant == "lifecycle":   # its own job, last in its process (it closes the strategy)
+            return os.path.join(self.lifecycle_dirs[run], variant)
+        return os.path.join({"gang": self.gang_dir, "single": self.single_dir}[run], variant)
 
     def result(self, variant: str, worker: int) -> dict:
-        return common.load_result(os.path.join(self.gang_dir, variant), worker)
+        return common.load_result(self._folder("gang", variant), worker)
 
     def reference(self, variant: str) -> dict:
         return common.load_result(os.path.join(self.reference_dir, variant), 0)
 
     def weights(self, variant: str, worker: int) -> list:
-        return common.load_weights(os.path.join(self.gang_dir, variant), worker)
+        return common.load_weights(self._folder("gang", variant), worker)
 
     def reference_weights(self, variant: str) -> list:
         return common.load_weights(os.path.join(self.reference_dir, variant), 0)
 
     def single(self, variant: str) -> dict:
-        return common.load_result(os.path.join(self.single_dir, variant), 0)
+        return common.load_result(self._folder("single", variant), 0)
 
     def single_weights(self, variant: str) -> list:
-        return common.load_weights(os.path.join(self.single_dir, variant), 0)
+        return common.load_weights(self._folder("single", variant), 0)
+
+
+# The suite's shared warm processes of each backend (`tests/shared_gangs.py`): the gang of 2,
+# plain Keras in one process, one keras_mwms worker without TF_CONFIG, each running every
+# variant (then the lifecycle check, last: it closes the strategy); the gang of 3 runs the
+# uneven-split variants with the keras_mwms logger at ERROR (`gang`), as a user silencing it.
+for _backend in ("tensorflow", "jax", "torch"):
+    for _runner in (gang(_backend, 2), Runner(_backend, PLAIN), Runner(_backend, SINGLE)):
+        SHARED.add(__name__, _runner, "variants", "user_scripts", ["{out}"], seconds=GANG_TIMEOUT)
+    for _runner in (gang(_backend, 2), Runner(_backend, SINGLE)):
+        SHARED.add(__name__, _runner, "lifecycle", "user_scripts", ["{out}", "--lifecycle"], seconds=120, order=LAST)
+    SHARED.add(__name__, gang(_backend, 3), "variants", "user_scripts",
+               ["{out}", "--only", ",".join(THREE_WORKER_VARIANTS)], seconds=GANG_TIMEOUT)
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
-def runs(request, tmp_path_factory) -> Runs:
+def runs(request, shared_runs) -> Runs:
     backend = request.param
-    gang_dir = str(tmp_path_factory.mktemp(f"{backend}_gang"))
-    reference_dir = str(tmp_path_factory.mktemp(f"{backend}_plain"))
-    single_dir = str(tmp_path_factory.mktemp(f"{backend}_single"))
-    # The two single processes (plain Keras; keras_mwms without TF_CONFIG) run beside the gang.
-    alone = [Spawn(python_worker("user_scripts.py", out, *flags), worker_env(backend))
-             for out, flags in ((reference_dir, ["--plain"]), (single_dir, []))]
-    with start_processes(alone, GANG_TIMEOUT) as singles:
-        gang = run_gang(python_worker("user_scripts.py", gang_dir), 2, GANG_TIMEOUT, env=worker_env(backend))
-        assert gang.returncode == 0, gang.output[-8000:]
-        ran = singles.result()
-        assert ran.codes == [0, 0], ran.log(4000)
-    return Runs(backend, gang_dir, reference_dir, single_dir, gang.output)
+    two, single = gang(backend, 2), Runner(backend, SINGLE)
+    return Runs(backend, shared_runs.folder(two, __name__, "variants"),
+                shared_runs.folder(Runner(backend, PLAIN), __name__, "variants"),
+                shared_runs.folder(single, __name__, "variants"), shared_runs.output(two).output,
+                {"gang": shared_runs.folder(two, __name__, "lifecycle"),
+                 "single": shared_runs.folder(single, __name__, "lifecycle")})
 
 
 @pytest.fixture(scope="module")
-def three_workers(runs, tmp_path_factory) -> Runs:
-    """A second gang, of 3 workers, running only `THREE_WORKER_VARIANTS` (uneven splits)."""
-    gang_dir = str(tmp_path_factory.mktemp(f"{runs.backend}_gang3"))
-    command = python_worker("user_scripts.py", gang_dir, "--only", ",".join(THREE_WORKER_VARIANTS),
-                            "--log-level", "ERROR")   # a user silencing keras_mwms (test below)
-    gang = run_gang(command, 3, GANG_TIMEOUT, env=worker_env(runs.backend))
-    assert gang.returncode == 0, gang.output[-8000:]
-    return Runs(runs.backend, gang_dir, runs.reference_dir, runs.single_dir, gang.output)
+def three_workers(runs, shared_runs) -> Runs:
+    """The gang of 3, running only `THREE_WORKER_VARIANTS` (uneven splits)."""
+    three = gang(runs.backend, 3)
+    return Runs(runs.backend, shared_runs.folder(three, __name__, "variants"), runs.reference_dir, runs.single_dir,
+                shared_runs.output(three).output)
 
 
 def _no_error(result: dict, who: str) -> None:

@@ -20,6 +20,9 @@ if str(REPO) not in sys.path:
 
 NUM_FEATURES = 12
 NUM_CLASSES = 3
+# `keras_internals()` before this process's strategy started, for a lifecycle check after it
+# closes (set by the script or `jobs.py` that starts the strategy).
+KERAS_BEFORE_THE_STRATEGY: dict | None = None
 
 
 def worker_index() -> int:

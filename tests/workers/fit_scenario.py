@@ -321,6 +321,9 @@ def record_primitives(strategy, index: int) -> dict:
                      "exercises the TensorFlow custom-loop API")
 
 
+_OPTIONS_AT_START: dict[int, object] = {}   # id(strategy): its CommunicationOptions before any scenario
+
+
 def run_scenario(strategy, out: str, arguments) -> None:
     import keras
     import numpy as np
@@ -341,7 +344,10 @@ def run_scenario(strategy, out: str, arguments) -> None:
     changes = {"compression": arguments.compression}
     if arguments.no_torch_overlap:
         changes["torch_overlap"] = False
-    strategy.backend.options = dataclasses.replace(strategy.backend.options, **changes)
+    # From the options the strategy started with: an earlier scenario's must not carry over in a
+    # warm process (`tests/workers/jobs.py`).
+    started_with = _OPTIONS_AT_START.setdefault(id(strategy), strategy.backend.options)
+    strategy.backend.options = dataclasses.replace(started_with, **changes)
     with strategy.scope():
         model = build_model(arguments, outputs, loss, metrics)
     os.makedirs(out, exist_ok=True)
@@ -425,15 +431,23 @@ def load_dump(out: str, index: int) -> dict:
     return result
 
 
-def main() -> None:
-    scenarios = parse_command_line(sys.argv[1:])
-    import keras_mwms
-
-    strategy = keras_mwms.MultiWorkerMirroredStrategy()
+def run_job(strategy, argv: list[str]) -> None:
+    """Every scenario of the command line `argv` (without the script), in `strategy`
+    (`tests/workers/jobs.py` runs it in a warm process; `main` in a fresh one)."""
+    if strategy is None:
+        raise SystemExit("fit_scenario needs a keras_mwms strategy: it cannot run in a plain-Keras process")
     common.log(f"worker {strategy.worker_index}/{strategy.num_workers}, replicas {strategy.num_replicas_in_sync}")
-    for out, arguments in scenarios:
+    for out, arguments in parse_command_line(argv):
         common.log("scenario", out)
         run_scenario(strategy, out, arguments)
+
+
+def main() -> None:
+    scenarios = sys.argv[1:]
+    parse_command_line(scenarios)   # a bad flag fails before the strategy starts
+    import keras_mwms
+
+    run_job(keras_mwms.MultiWorkerMirroredStrategy(), scenarios)
 
 
 if __name__ == "__main__":

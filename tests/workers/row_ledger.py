@@ -192,21 +192,19 @@ def run_variant(strategy, name: str, out: str, index: int) -> None:
                        batches=batches, num_workers=num_workers)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out")
-    parser.add_argument("backend", help="the KERAS_BACKEND this run uses (chooses the variants)")
-    parser.add_argument("--plain", action="store_true", help="plain Keras, one process (the reference)")
-    parser.add_argument("--only", default="", help="comma-separated variant names (default: all)")
-    arguments = parser.parse_args()
-    strategy = None
-    if not arguments.plain:
-        import keras_mwms
+PARSER = argparse.ArgumentParser()
+PARSER.add_argument("out")
+PARSER.add_argument("backend", help="the KERAS_BACKEND this run uses (chooses the variants)")
+PARSER.add_argument("--plain", action="store_true", help="plain Keras, one process (the reference)")
+PARSER.add_argument("--only", default="", help="comma-separated variant names (default: all)")
 
-        # First, before any Keras or TensorFlow op: TensorFlow needs the strategy before its runtime starts.
-        strategy = keras_mwms.MultiWorkerMirroredStrategy()
+
+def run_job(strategy, argv: list[str]) -> None:
+    """The variants of the command line `argv` (without the script) in `strategy` (None: plain
+    Keras), one after another (`tests/workers/jobs.py` runs it in a warm process)."""
+    arguments = PARSER.parse_args(argv)
     index = strategy.worker_index if strategy is not None else 0
-    names = arguments.only.split(",") if arguments.only else variants_for(arguments.backend, arguments.plain)
+    names = arguments.only.split(",") if arguments.only else variants_for(arguments.backend, strategy is None)
     for name in names:
         target = os.path.join(arguments.out, name)
         os.makedirs(target, exist_ok=True)
@@ -223,6 +221,16 @@ def main() -> None:
         finally:
             faulthandler.cancel_dump_traceback_later()
     common.log("done")
+
+
+def main() -> None:
+    strategy = None
+    if not PARSER.parse_args().plain:
+        import keras_mwms
+
+        # First, before any Keras or TensorFlow op: TensorFlow needs the strategy before its runtime starts.
+        strategy = keras_mwms.MultiWorkerMirroredStrategy()
+    run_job(strategy, sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -32,25 +32,19 @@ parser.add_argument("out")
 parser.add_argument("--plain", action="store_true", help="plain Keras, one process (the reference)")
 parser.add_argument("--only", default="", help="comma-separated variant names (default: all)")
 parser.add_argument("--log-level", help="the level of the keras_mwms logger (default: keras_mwms' INFO)")
-arguments = parser.parse_args()
-if arguments.log_level:
-    logging.getLogger("keras_mwms").setLevel(arguments.log_level)
+parser.add_argument("--lifecycle", action="store_true",
+                    help="only check_lifecycle(), which closes the strategy (the default without --only: after "
+                         "the variants)")
 
-if arguments.plain:
-    strategy = None
-else:
-    import keras_mwms
-
-    KERAS_BEFORE_THE_STRATEGY = common.keras_internals()   # for check_lifecycle()
-    # First, before any TensorFlow operation (TF can only configure collectives before).
-    strategy = keras_mwms.MultiWorkerMirroredStrategy()
+# Set by `run_job`: the strategy (None: plain Keras), the command line, this worker.
+strategy = None
+arguments = None
+INDEX, IS_CHIEF = 0, True
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 BACKEND = keras.backend.backend()
-INDEX = 0 if strategy is None else strategy.worker_index
-IS_CHIEF = INDEX == 0
 ROWS, BATCH, EPOCHS = 100, 16, 2     # 6 full global batches and a last one of 4 rows
 SEED = 1234
 
@@ -716,7 +710,7 @@ def variant_one_worker_nudges_state():
     reference nudges nothing). The nudge is undone after each, so the weights still equal
     plain Keras'."""
     x, y = regression()
-    callbacks = keras.callbacks if strategy is None else keras_mwms.callbacks
+    callbacks = keras.callbacks if strategy is None else keras_mwms_module().callbacks
     checkpoint = os.path.join(arguments.out, "one_worker_nudges_state", f"w{INDEX}.weights.h5")
     with scope():
         # JAX trains BatchNormalization on global arrays (DataParallel): global moments already.
@@ -796,18 +790,55 @@ def check_lifecycle() -> None:
     results = {"first": interrupted_and_resumed_fit(strategy, "first")}
     installed = common.patches_installed()
     strategy.close()
-    results["after_close"] = common.lifecycle_problems(KERAS_BEFORE_THE_STRATEGY, installed)
+    results["after_close"] = common.lifecycle_problems(common.KERAS_BEFORE_THE_STRATEGY, installed)
     if strategy.num_workers == 1:
-        again = keras_mwms.MultiWorkerMirroredStrategy()
+        again = keras_mwms_module().MultiWorkerMirroredStrategy()
         results["second"] = interrupted_and_resumed_fit(again, "second")
         installed = common.patches_installed()
         again.close()
-        results["after_second_close"] = common.lifecycle_problems(KERAS_BEFORE_THE_STRATEGY, installed)
+        results["after_second_close"] = common.lifecycle_problems(common.KERAS_BEFORE_THE_STRATEGY, installed)
     common.save_result(os.path.join(arguments.out, "lifecycle"), INDEX, **results)
 
 
-for variant_name in (arguments.only.split(",") if arguments.only else VARIANTS):
-    run_variant(variant_name)
-if strategy is not None and not arguments.only:
-    check_lifecycle()
-common.log("all variants done")
+def run_job(the_strategy, argv: list[str]) -> None:
+    """The variants of the command line `argv` (without the script) in `the_strategy` (None:
+    plain Keras); with `--lifecycle`, only `check_lifecycle`, which closes the strategy
+    (`tests/workers/jobs.py` runs it last in a warm process)."""
+    global strategy, arguments, INDEX, IS_CHIEF
+    strategy, arguments = the_strategy, parser.parse_args(argv)
+    INDEX = 0 if strategy is None else strategy.worker_index
+    IS_CHIEF = INDEX == 0
+    if arguments.lifecycle:
+        if strategy is not None:
+            check_lifecycle()
+        return
+    for variant_name in (arguments.only.split(",") if arguments.only else VARIANTS):
+        run_variant(variant_name)
+    common.log("all variants done")
+
+
+def main() -> None:
+    """`python user_scripts.py OUT [--plain] ...`: a fresh process, the variants then (without
+    `--only`) the lifecycle check."""
+    argv = sys.argv[1:]
+    options = parser.parse_args(argv)
+    if options.log_level:   # before keras_mwms is imported, as a user silencing it does
+        logging.getLogger("keras_mwms").setLevel(options.log_level)
+    the_strategy = None
+    if not options.plain:
+        common.KERAS_BEFORE_THE_STRATEGY = common.keras_internals()   # for check_lifecycle()
+        # Before any TensorFlow operation (TF can only configure collectives before the first).
+        the_strategy = keras_mwms_module().MultiWorkerMirroredStrategy()
+    run_job(the_strategy, argv)
+    if the_strategy is not None and not options.only and not options.lifecycle:
+        run_job(the_strategy, [*argv, "--lifecycle"])
+
+
+def keras_mwms_module():
+    import keras_mwms
+
+    return keras_mwms
+
+
+if __name__ == "__main__":
+    main()
