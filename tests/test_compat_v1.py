@@ -1,5 +1,6 @@
 """compat.v1 methods and known multi-worker pitfalls (a partial batch's MEAN, `task_type` branching,
-a strategy created after the backend ran) on 2 real workers per backend."""
+a strategy created after the backend ran) on 2 real workers per backend: the surface in the
+suite's shared warm gangs, the late strategy in fresh gangs (a fresh process is its point)."""
 
 from __future__ import annotations
 
@@ -9,18 +10,21 @@ import pytest
 
 from keras_mwms.startup.cluster import TFConfigClusterResolver
 from tests.multiworker import python_worker, run_gang, worker_env
+from tests.shared_gangs import SHARED, gang
 from tests.workers.common import load_result
 
 BACKENDS = ["tensorflow", "jax", "torch"]
 
 
+# In the suite's shared warm gang of 2 of each backend (`tests/shared_gangs.py`).
+for _backend in BACKENDS:
+    SHARED.add(__name__, gang(_backend, 2), "compat", "compat_scenario", ["{out}"], seconds=300)
+
+
 @pytest.fixture(scope="module", params=BACKENDS)
-def results(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"compat-{request.param}")
-    gang = run_gang(python_worker("compat_scenario.py", str(out)), 2, timeout=300,
-                    env=worker_env(request.param))
-    assert gang.returncode == 0, gang.output[-8000:]
-    return request.param, [load_result(str(out), index) for index in range(2)]
+def results(request, shared_runs):
+    out = shared_runs.folder(gang(request.param, 2), __name__, "compat")
+    return request.param, [load_result(out, index) for index in range(2)]
 
 
 def test_partial_batch_reduce_uses_the_global_denominator(results):
