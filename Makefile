@@ -21,20 +21,28 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -c "import keras, tensorflow, jax, torch, tf_keras, ray; print('installed keras', keras.__version__, '| tensorflow', tensorflow.__version__, '| jax', jax.__version__, '| torch', torch.__version__, '| tf-keras', tf_keras.__version__, '| ray', ray.__version__)"
 	touch $(STAMP)
 
-# The suite, the version smoke (`version-smoke`, about 5 min here) and the CI benchmark
-# (`bench-quick`, under 2 min here): CI runs all three through `make test`, so its log shows the
-# compatibility table and ends with the ratio table. `$(BIN)/python -m pytest` alone runs just the suite.
+# The suite, the version smoke (`version-smoke`, about 11 min here) and the CI benchmark
+# (`bench-quick`, under 3 min here): CI runs all three through `make test`, so its log shows the
+# compatibility table, the ratio table and, last, where the time went (build/suite-budget.txt:
+# per test file its wall seconds, share, processes started and their CPU seconds; then the
+# smoke's and the benchmark's wall seconds). `$(BIN)/python -m pytest` alone runs just the suite.
 # The smoke runs beside the suite, whose lone processes and waits leave a core idle much of the
 # time; its log follows the suite's. The benchmark runs alone, after both (it measures time).
 test: install
-	@mkdir -p build
-	@$(BIN)/python scripts/version_smoke.py $(KERAS_SMOKE) > build/version-smoke.log 2>&1 & smoke=$$!; \
+	@mkdir -p build && rm -f build/suite-budget.txt build/suite-budget.json
+	@started=$$(date +%s); \
+	$(BIN)/python scripts/version_smoke.py $(KERAS_SMOKE) > build/version-smoke.log 2>&1 & smoke=$$!; \
 	trap 'kill $$smoke 2>/dev/null' INT TERM; \
-	$(BIN)/python -m pytest $(PYTEST_ARGS); suite=$$?; \
-	wait $$smoke; smoked=$$?; \
+	$(BIN)/python -m pytest $(PYTEST_ARGS); suite=$$?; suite_s=$$(( $$(date +%s) - started )); \
+	wait $$smoke; smoked=$$?; smoke_s=$$(( $$(date +%s) - started )); \
 	echo "== make version-smoke (run beside the suite): exit $$smoked"; cat build/version-smoke.log; \
-	test $$suite -eq 0 && test $$smoked -eq 0
-	$(MAKE) --no-print-directory bench-quick
+	bench=1; bench_s=0; \
+	if test $$suite -eq 0 && test $$smoked -eq 0; then \
+	    bench_started=$$(date +%s); $(MAKE) --no-print-directory bench-quick; bench=$$?; \
+	    bench_s=$$(( $$(date +%s) - bench_started )); fi; \
+	echo "== where make test's time went"; cat build/suite-budget.txt 2>/dev/null; \
+	echo "make test: pytest $$suite_s s (exit $$suite), version smoke beside it until $$smoke_s s (exit $$smoked), bench-quick $$bench_s s (exit $$bench), $$(( $$(date +%s) - started )) s in all"; \
+	test $$suite -eq 0 && test $$smoked -eq 0 && test $$bench -eq 0
 
 lint: install
 	$(BIN)/ruff check keras_mwms tests guides
