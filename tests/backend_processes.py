@@ -2,7 +2,8 @@
 
 `KERAS_BACKEND` is read once per process, so a test about every backend needs one process of
 each. Starting one costs an import of Keras and the backend (seconds, more under load), so one
-process per group serves every such test: it runs the docstring examples of the group's modules
+process per group serves every such test (all four start at once, at the first use): it runs
+the docstring examples of the group's modules
 (`tests/test_docstrings.py`) and, in a backend's process, resolves every accessor of the Keras
 firewall on real objects (`tests/test_keras_api.py`, `tests/workers/keras_api_accessors.py`).
 The group "neutral" (modules of no backend) runs on JAX without the accessor checks.
@@ -14,10 +15,12 @@ they run.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,7 +47,10 @@ def group_of(module: str) -> str:
 
 
 MODULES = package_modules()
+GROUPS = ("neutral", *BACKENDS)
+TIMEOUT = 600
 _reports: dict[str, dict] = {}
+_started: dict[str, tuple[subprocess.Popen, tempfile.TemporaryFile]] = {}
 
 
 def _line(output: str, prefix: str) -> dict | None:
@@ -52,21 +58,48 @@ def _line(output: str, prefix: str) -> dict | None:
     return None if line is None else json.loads(line[len(prefix):])
 
 
+def _start(group: str) -> None:
+    modules = [module for module in MODULES if group_of(module) == group]
+    backend = group if group != "neutral" else "jax"
+    flags = ["--keras-api-accessors"] if group in BACKENDS else []
+    inherited = os.environ.get("PYTHONPATH")
+    output = tempfile.TemporaryFile()   # a file, not a pipe: the four processes run at once
+    process = subprocess.Popen([sys.executable, str(RUNNER), *flags, *modules], cwd=REPO, stdout=output,
+                               stderr=subprocess.STDOUT,
+                               env={**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3",
+                                    "PYTHONPATH": os.pathsep.join([str(REPO), *([inherited] if inherited else [])])})
+    _started[group] = (process, output)
+
+
+@atexit.register
+def _stop_unread() -> None:
+    """Processes no selected test read (e.g. only tests/test_keras_api.py ran) die with the session."""
+    for process, _ in _started.values():
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 def report_for(group: str) -> dict:
-    """`{"doctests": {module: result}, "accessors": report or None}` of the group's process,
-    run once per test session."""
+    """`{"doctests": {module: result}, "accessors": report or None}` of the group's process.
+
+    The first call starts every group's process at once (each runs one interpreter: on 2 cores two
+    finish in the time of one), so each runs once per test session."""
     if group not in _reports:
-        modules = [module for module in MODULES if group_of(module) == group]
-        backend = group if group != "neutral" else "jax"
-        flags = ["--keras-api-accessors"] if group in BACKENDS else []
-        inherited = os.environ.get("PYTHONPATH")
-        completed = subprocess.run([sys.executable, str(RUNNER), *flags, *modules], cwd=REPO, capture_output=True,
-                                   text=True, timeout=600,
-                                   env={**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3",
-                                        "PYTHONPATH": os.pathsep.join([str(REPO), *([inherited] if inherited else [])])})
-        doctests = _line(completed.stdout, "DOCTESTS ")
-        assert doctests is not None, completed.stdout[-3000:] + completed.stderr[-3000:]
-        accessors = _line(completed.stdout, "ACCESSORS ")
-        assert accessors is not None or not flags, completed.stdout[-3000:] + completed.stderr[-3000:]
+        if not _started:
+            for each in GROUPS:
+                _start(each)
+        process, output = _started[group]
+        try:
+            process.wait(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        output.seek(0)
+        text = output.read().decode(errors="replace")
+        doctests = _line(text, "DOCTESTS ")
+        assert doctests is not None, f"exit code {process.returncode}:\n{text[-6000:]}"
+        accessors = _line(text, "ACCESSORS ")
+        assert accessors is not None or group not in BACKENDS, text[-6000:]
         _reports[group] = {"doctests": doctests, "accessors": accessors}
     return _reports[group]
