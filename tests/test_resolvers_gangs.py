@@ -39,6 +39,7 @@ from pathlib import Path
 import pytest
 
 from tests.multiworker import Spawn, python_worker, run_processes, worker_env
+from tests.shared_gangs import SHARED, SINGLE, Runner
 from tests.workers.common import load_result, load_weights, max_weight_difference
 
 RUN_TIMEOUT = 240
@@ -86,21 +87,16 @@ BACKENDS = [pytest.param("tensorflow", marks=pytest.mark.tensorflow),
             pytest.param("torch", marks=pytest.mark.torch)]
 
 
+# The single-process reference of each backend: a job of the suite's shared process without
+# TF_CONFIG (`tests/shared_gangs.py`).
+for _backend in ("tensorflow", "jax", "torch"):
+    SHARED.add(__name__, Runner(_backend, SINGLE), "reference", "two_hosts_fit", ["{out}"], seconds=RUN_TIMEOUT)
+
+
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """backend -> folder of the single-process run (no orchestrator variables), made on first use."""
-    made: dict[str, Path] = {}
-
-    def reference(backend: str) -> Path:
-        if backend not in made:
-            out = tmp_path_factory.mktemp(f"single-{backend}")
-            ran = run_processes([Spawn(python_worker("two_hosts_fit.py", str(out)), worker_env(backend))],
-                                timeout=RUN_TIMEOUT)
-            assert ran.codes == [0], ran.log()
-            made[backend] = out
-        return made[backend]
-
-    return reference
+def references(shared_runs):
+    """backend -> folder of the single-process run (no orchestrator variables)."""
+    return lambda backend: Path(shared_runs.folder(Runner(backend, SINGLE), __name__, "reference"))
 
 
 def srun_style(backend: str, out: Path) -> list[Spawn]:

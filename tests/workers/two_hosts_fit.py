@@ -26,21 +26,6 @@ import common  # noqa: E402
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("--epochs", type=int, default=2)
-arguments = parser.parse_args()
-
-import keras  # noqa: E402
-
-import keras_mwms  # noqa: E402
-
-# The strategy comes first: JAX and TensorFlow cannot join a cluster after they computed.
-strategy = keras_mwms.MultiWorkerMirroredStrategy()
-index = strategy.worker_index
-keras.utils.set_random_seed(5)
-x, y = common.regression_data(rows=128)
-with strategy.scope():
-    model = common.mlp(hidden=8)
-    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
-history = model.fit(x, y, batch_size=32, epochs=arguments.epochs, shuffle=False, verbose=0)
 
 
 def listeners() -> list[str]:
@@ -52,8 +37,33 @@ def listeners() -> list[str]:
     return [" ".join(line.split()) for line in listed.stdout.splitlines() if line.strip()]
 
 
-common.save_result(arguments.out, index, model, history=history.history, listeners=listeners(),
-                   num_workers=strategy.num_workers,
-                   resolver=type(strategy.cluster_resolver).__name__,
-                   tf_config_set=bool(os.environ.get("TF_CONFIG")))
-common.log("done")
+def run_job(strategy, argv: list[str]) -> None:
+    """The fit in `strategy`, then the dump (`tests/workers/jobs.py` runs it in a warm process:
+    the single-process reference; `main` in a fresh one)."""
+    import keras
+
+    arguments = parser.parse_args(argv)
+    index = strategy.worker_index
+    keras.utils.set_random_seed(5)
+    x, y = common.regression_data(rows=128)
+    with strategy.scope():
+        model = common.mlp(hidden=8)
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+    history = model.fit(x, y, batch_size=32, epochs=arguments.epochs, shuffle=False, verbose=0)
+    common.save_result(arguments.out, index, model, history=history.history, listeners=listeners(),
+                       num_workers=strategy.num_workers,
+                       resolver=type(strategy.cluster_resolver).__name__,
+                       tf_config_set=bool(os.environ.get("TF_CONFIG")))
+    common.log("done")
+
+
+def main() -> None:
+    parser.parse_args()   # a bad flag fails before the strategy starts
+    import keras_mwms
+
+    # The strategy comes first: JAX and TensorFlow cannot join a cluster after they computed.
+    run_job(keras_mwms.MultiWorkerMirroredStrategy(), sys.argv[1:])
+
+
+if __name__ == "__main__":
+    main()
