@@ -73,11 +73,19 @@ class GangResult:
         return [line[len(prefix):] for line in self.output.splitlines() if line.startswith(prefix)]
 
 
-def worker_env(backend: str | None = None, **extra: str) -> dict[str, str]:
-    """Environment for test workers: one thread each, the repo importable, a backend chosen."""
+LEAN_IMPORTS = Path(__file__).resolve().parent / "lean_imports"
+
+
+def worker_env(backend: str | None = None, lean: bool = False, **extra: str) -> dict[str, str]:
+    """Environment for test workers: one thread each, the repo importable, a backend chosen.
+
+    `lean`: without Keras' optional integrations (matplotlib, scikit-learn, pandas, orbax; about a
+    third of a worker's start-up CPU), for workers of fault, restart and launcher tests that
+    never use them (`tests/lean_imports/sitecustomize.py`)."""
     env = {
         "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [*([str(LEAN_IMPORTS)] if lean else []), str(REPO),
+                                                    os.environ.get("PYTHONPATH")])),
         "TF_CPP_MIN_LOG_LEVEL": "2",
         "KERAS_MWMS_RENDEZVOUS_TIMEOUT": "60",
     }

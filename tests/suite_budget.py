@@ -6,7 +6,9 @@ sampled every `SAMPLE_SECONDS`: gangs, launchers and the workers those start), t
 those processes used (`RUSAGE_CHILDREN`, counted when they were reaped), and its share of the
 suite's wall time. The table is printed in pytest's summary and written to
 `build/suite-budget.txt` (and `.json`), which `make test` prints again last, after the version
-smoke and the benchmark, so every CI log ends with the budget.
+smoke and the benchmark, so every CI log ends with the budget. Work beside the files (the
+shared warm gangs, `tests/shared_gangs.py`) is listed below the table: its wall seconds,
+processes and CPU seconds, not charged to the file that ran meanwhile.
 
 The plugin is registered by `tests/conftest.py`; `-p no:suite_budget` turns it off.
 
@@ -36,18 +38,27 @@ def _children_cpu_seconds() -> float:
 
 
 class _Descendants(threading.Thread):
-    """Samples /proc for processes descending from this one; counts each (pid, start) once."""
+    """Samples /proc for processes descending from this one; counts each (pid, start) once,
+    under the label of a registered background root it descends from (`background`), else in
+    `seen`."""
 
     def __init__(self) -> None:
         super().__init__(name="suite-budget-sampler", daemon=True)
         self.root = os.getpid()
         self.seen: set[tuple[int, str]] = set()
+        self.roots: dict[int, str] = {}
+        self.labelled: dict[str, set[tuple[int, str]]] = defaultdict(set)
         self.lock = threading.Lock()
         self.stopping = threading.Event()
 
     def count(self) -> int:
         with self.lock:
             return len(self.seen)
+
+    def background(self, label: str, pids) -> None:
+        """Counts the processes `pids` and their descendants under `label` from now on."""
+        with self.lock:
+            self.roots.update((pid, label) for pid in pids)
 
     def run(self) -> None:
         while not self.stopping.wait(SAMPLE_SECONDS):
@@ -63,15 +74,21 @@ class _Descendants(threading.Thread):
                     continue
                 pid = int(entry.name)
                 parents[pid], starts[pid] = int(fields[1]), fields[19]
-            found = []
+            with self.lock:
+                roots = dict(self.roots)
+            found, labelled = [], []
             for pid in parents:
+                label = roots.get(pid)
                 ancestor, hops = parents[pid], 0
                 while ancestor not in (self.root, 0, 1) and ancestor in parents and hops < 64:
+                    label = label or roots.get(ancestor)
                     ancestor, hops = parents[ancestor], hops + 1
                 if ancestor == self.root:
-                    found.append((pid, starts[pid]))
+                    (labelled.append((label, (pid, starts[pid]))) if label else found.append((pid, starts[pid])))
             with self.lock:
                 self.seen.update(found)
+                for label, key in labelled:
+                    self.labelled[label].add(key)
 
 
 class SuiteBudget:
@@ -86,20 +103,24 @@ class SuiteBudget:
         self.processes: dict[str, int] = defaultdict(int)
         self.cpu: dict[str, float] = defaultdict(float)
         self.cases: dict[str, int] = defaultdict(int)
+        # Work beside the files (`tests.shared_gangs`): label -> [wall s, child CPU s].
+        self.beside: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
         self.sampler = _Descendants() if os.path.isdir("/proc") else None
         self._file: str | None = None
         self._marks = (0, 0.0)
+        self._marks_lock = threading.Lock()   # `ended_beside` runs in another thread
         self.started = time.monotonic()
 
     def _marks_now(self) -> tuple[int, float]:
         return (self.sampler.count() if self.sampler else 0, _children_cpu_seconds())
 
     def _close_file(self) -> None:
-        if self._file is not None:
-            processes, cpu = self._marks_now()
-            self.processes[self._file] += processes - self._marks[0]
-            self.cpu[self._file] += cpu - self._marks[1]
-        self._file = None
+        with self._marks_lock:
+            if self._file is not None:
+                processes, cpu = self._marks_now()
+                self.processes[self._file] += processes - self._marks[0]
+                self.cpu[self._file] += cpu - self._marks[1]
+            self._file = None
 
     def pytest_sessionstart(self, session) -> None:
         if self.sampler:
@@ -109,7 +130,8 @@ class SuiteBudget:
         file = nodeid.split("::", 1)[0]
         if file != self._file:
             self._close_file()
-            self._file, self._marks = file, self._marks_now()
+            with self._marks_lock:
+                self._file, self._marks = file, self._marks_now()
 
     def pytest_runtest_logreport(self, report) -> None:
         file = report.nodeid.split("::", 1)[0]
@@ -119,12 +141,27 @@ class SuiteBudget:
 
     def charge(self, label: str, seconds: float, processes: int, cpu: float) -> None:
         """Moves work done during the current file's case to `label` (a shared run it started)."""
-        if self._file is not None:
-            self.moved[self._file] += seconds
-            self._marks = (self._marks[0] + processes, self._marks[1] + cpu)
+        with self._marks_lock:
+            if self._file is not None:
+                self.moved[self._file] += seconds
+                self._marks = (self._marks[0] + processes, self._marks[1] + cpu)
         self.wall[label] += seconds
         self.processes[label] += processes
         self.cpu[label] += cpu
+
+    def background(self, label: str, pids) -> None:
+        """Counts the processes `pids` (and theirs) under `label`, work beside the files."""
+        if self.sampler:
+            self.sampler.background(label, pids)
+
+    def ended_beside(self, label: str, wall: float, cpu: float) -> None:
+        """Work beside the files ended: its wall seconds, and the CPU seconds its processes used,
+        which the file running now was charged when they were reaped."""
+        with self._marks_lock:
+            if self._file is not None:
+                self._marks = (self._marks[0], self._marks[1] + cpu)
+        self.beside[label][0] += wall
+        self.beside[label][1] += cpu
 
     def rows(self) -> list[dict]:
         wall = {file: seconds - self.moved[file] for file, seconds in self.wall.items()}
@@ -138,13 +175,16 @@ class SuiteBudget:
         rows = self.rows()
         lines = ["suite budget (per test file; processes = descendants of pytest seen alive; "
                  "child CPU = their user+system seconds):",
-                 f"{'file':<34} {'wall s':>8} {'share':>6} {'cases':>6} {'procs':>6} {'child CPU s':>12}"]
+                 f"{'file':<40} {'wall s':>8} {'share':>6} {'cases':>6} {'procs':>6} {'child CPU s':>12}"]
         for row in rows:
-            lines.append(f"{row['file'].removeprefix('tests/'):<34} {row['wall_s']:>8.1f} "
+            lines.append(f"{row['file'].removeprefix('tests/'):<40} {row['wall_s']:>8.1f} "
                          f"{row['share']:>6.1%} {row['cases']:>6} {row['processes']:>6} {row['child_cpu_s']:>12.1f}")
-        lines.append(f"{'total':<34} {sum(r['wall_s'] for r in rows):>8.1f} {'100%':>6} "
+        lines.append(f"{'total':<40} {sum(r['wall_s'] for r in rows):>8.1f} {'100%':>6} "
                      f"{sum(r['cases'] for r in rows):>6} {sum(r['processes'] for r in rows):>6} "
                      f"{sum(r['child_cpu_s'] for r in rows):>12.1f}")
+        for label, (wall, cpu) in sorted(self.beside.items()):
+            processes = len(self.sampler.labelled.get(label, ())) if self.sampler else 0
+            lines.append(f"beside the files: {label}: {wall:.0f} s wall, {processes} processes, {cpu:.0f} CPU s")
         lines.append(f"pytest wall from session start: {time.monotonic() - self.started:.0f} s")
         return "\n".join(lines)
 
@@ -170,9 +210,10 @@ class SuiteBudget:
 
 
 @contextlib.contextmanager
-def charged_to(label: str) -> Iterator[None]:
-    """Counts the block's wall seconds, processes and child CPU seconds under `label` instead of
-    the test file running it (work that many files share, e.g. `tests.shared_gangs`)."""
+def charged_to(label: str, wall_only: bool = False) -> Iterator[None]:
+    """Counts the block's wall seconds, processes and child CPU seconds (only the wall seconds:
+    `wall_only`, e.g. waiting for work beside the files, which counts its own) under `label`
+    instead of the test file running it."""
     budget = SuiteBudget.current
     if budget is None:
         yield
@@ -181,5 +222,5 @@ def charged_to(label: str) -> Iterator[None]:
     try:
         yield
     finally:
-        now = budget._marks_now()
+        now = (processes, cpu) if wall_only else budget._marks_now()
         budget.charge(label, time.monotonic() - started, now[0] - processes, now[1] - cpu)

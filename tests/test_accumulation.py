@@ -148,7 +148,7 @@ def test_tensorflow_local_replicas_accumulate_and_compress():
     """Two local replicas (logical CPUs): K = 2 all-reduces once per window, = one device
     (≤ 1e-5); bf16 halves the window's bytes, with and without accumulation, within the
     16-bit rounding bound (`tests/test_compression.py`'s, C = 4)."""
-    output = run_one_process(python_worker("tf_local_replicas.py"), RUN_TIMEOUT, env=worker_env("tensorflow"))
+    output = run_one_process(python_worker("tf_local_replicas.py"), RUN_TIMEOUT, env=worker_env("tensorflow", lean=True))
     report = json.loads(next(line for line in output.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
     assert report["replicas"] == 2
     micro_steps = 12                      # 2 epochs of 192 rows in global batches of 32

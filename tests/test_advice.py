@@ -48,7 +48,7 @@ def test_a_port_clash_under_port_base_names_the_flag(join_script):
         squatter.bind(("localhost", base + 1))
         squatter.listen(1)
         launched = run_launcher(["--workers", "2", "--port-base", str(base)], [join_script], timeout=DEADLINE,
-                                env=worker_env("torch", KERAS_MWMS_RENDEZVOUS_TIMEOUT="20"))
+                                env=worker_env("torch", lean=True, KERAS_MWMS_RENDEZVOUS_TIMEOUT="20"))
     assert launched.returncode != 0
     assert f"pass another --port-base to keras_mwms.launch (its workers listen on {base} .. {base + 1})" \
         in launched.output, launched.output[-4000:]
@@ -58,7 +58,7 @@ def test_a_port_clash_under_port_base_names_the_flag(join_script):
 @pytest.mark.torch
 def test_a_missing_task_of_an_srun_step_is_named_as_such(join_script):
     alone = run_processes([Spawn([sys.executable, join_script],
-                                 {**worker_env("torch", KERAS_MWMS_RENDEZVOUS_TIMEOUT="3"),
+                                 {**worker_env("torch", lean=True, KERAS_MWMS_RENDEZVOUS_TIMEOUT="3"),
                                   **srun_environment(0, 2, free_port_run(2))})], timeout=DEADLINE)
     assert alone.codes == [1], alone.log()
     assert "Start every task of the Slurm job step (srun) within the timeout" in alone.outputs[0], alone.log()
@@ -85,7 +85,7 @@ def test_a_leftover_tf_config_under_torchrun_is_named(join_script):
     addresses = [f"localhost:{port}" for port in find_free_ports(2)]
     master = free_port_run(3)
     spawns = [Spawn([sys.executable, join_script],
-                    {**worker_env("torch", KERAS_MWMS_RENDEZVOUS_TIMEOUT="8"),
+                    {**worker_env("torch", lean=True, KERAS_MWMS_RENDEZVOUS_TIMEOUT="8"),
                      "TF_CONFIG": make_tf_config(addresses, 0),   # left in the shell: index 0 for both
                      "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master)})
@@ -105,7 +105,7 @@ def test_a_leftover_tf_config_under_torchrun_is_named(join_script):
 def test_a_backend_mismatch_names_each_worker_and_keras_backend(join_script):
     addresses = [f"localhost:{port}" for port in find_free_ports(2)]
     spawns = [Spawn([sys.executable, join_script],
-                    {**worker_env(backend, KERAS_MWMS_RENDEZVOUS_TIMEOUT="30"),
+                    {**worker_env(backend, lean=True, KERAS_MWMS_RENDEZVOUS_TIMEOUT="30"),
                      "TF_CONFIG": make_tf_config(addresses, index)})
               for index, backend in enumerate(("torch", "jax"))]
     ran = run_processes(spawns, timeout=DEADLINE, grace_after_failure=30)
@@ -121,7 +121,7 @@ def test_a_backend_that_is_not_installed_names_the_extra(tmp_path, join_script):
     hidden = tmp_path / "hide_torch"
     hidden.mkdir()
     (hidden / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None   # not installed\n")
-    env = worker_env("torch")
+    env = worker_env("torch", lean=True)
     env["PYTHONPATH"] = f"{hidden}:{env['PYTHONPATH']}"
     launched = run_launcher(["--workers", "2"], [join_script], timeout=DEADLINE, env=env)
     assert launched.returncode == 2

@@ -158,7 +158,7 @@ def test_custom_loop_primitives(scenario_runs):
 def test_peer_killed_mid_epoch_survivors_name_it(tmp_path):
     # Each worker exits on its own: the launcher would stop the survivors itself.
     watched = watch_gang(_fit_scenario(str(tmp_path), "--kill-worker", "1", "--kill-after-batch", "3",
-                                       "--seconds-per-batch", "0.2"), 3, GANG_TIMEOUT, env=worker_env("jax"))
+                                       "--seconds-per-batch", "0.2"), 3, GANG_TIMEOUT, env=worker_env("jax", lean=True))
     outputs = {index: watched.lines(index) for index in range(3)}
     log = "\n".join(f"--- worker {i}\n{text[-3000:]}" for i, text in outputs.items())
     assert None not in watched.codes.values(), log
@@ -176,7 +176,7 @@ def test_a_remote_peer_is_named_lost_only_when_jax_knows_it(tmp_path):
     """`JaxFaults.gone` on the real coordination service, each worker taking its peer for a
     remote one (`tests/workers/jax_remote_peers.py`): a living remote peer is never named (the
     chief used to be, whenever it had not checked in yet), and asking costs no wait."""
-    gang = run_gang(python_worker("jax_remote_peers.py", str(tmp_path)), 2, 120, env=worker_env("jax"))
+    gang = run_gang(python_worker("jax_remote_peers.py", str(tmp_path)), 2, 120, env=worker_env("jax", lean=True))
     assert gang.returncode == 0, gang.output[-5000:]
     chief, worker = (load_result(str(tmp_path), index) for index in (0, 1))
     log = f"{chief}\n{worker}\n{gang.output[-3000:]}"
@@ -196,7 +196,7 @@ def test_a_chief_working_on_after_the_last_collective_ends_cleanly(tmp_path):
 
     seconds = max(SHUTDOWN_TIMEOUT_SECONDS, LEAVING_NOTICE_SECONDS) + 10   # worker 1 may start waiting late
     gang = run_gang(python_worker("jax_leaving.py", str(tmp_path), str(seconds)), 2, GANG_TIMEOUT,
-                    env=worker_env("jax"))
+                    env=worker_env("jax", lean=True))
     log = gang.output[-5000:]
     assert gang.returncode == 0, log
     assert all(load_result(str(tmp_path), index)["completed"] for index in (0, 1)), log

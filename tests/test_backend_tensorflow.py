@@ -178,10 +178,10 @@ def test_autoshard_off_uses_every_row_of_each_worker(unsharded_run):
 @pytest.fixture(scope="module")
 def seed_examples(tmp_path_factory):
     root = tmp_path_factory.mktemp("seed")
-    with start_processes([Spawn(python_worker("tensorflow_seed.py", str(root / "single")), worker_env("tensorflow"))],
+    with start_processes([Spawn(python_worker("tensorflow_seed.py", str(root / "single")), worker_env("tensorflow", lean=True))],
                          GANG_TIMEOUT) as single:
         result = run_gang(python_worker("tensorflow_seed.py", str(root / "gang")), 2, GANG_TIMEOUT,
-                          env=worker_env("tensorflow"))
+                          env=worker_env("tensorflow", lean=True))
         assert result.returncode == 0, result.output[-8000:]
         reference = single.result()
         assert reference.codes == [0], reference.log()
@@ -228,7 +228,7 @@ def test_missing_worker_is_named_within_the_rendezvous_timeout(tmp_path):
     ports = find_free_ports(2)
     tf_config = json.dumps({"cluster": {"worker": [f"localhost:{port}" for port in ports]},
                             "task": {"type": "worker", "index": 0}})
-    env = worker_env("tensorflow", TF_CONFIG=tf_config, KERAS_MWMS_RENDEZVOUS_TIMEOUT="8")
+    env = worker_env("tensorflow", lean=True, TF_CONFIG=tf_config, KERAS_MWMS_RENDEZVOUS_TIMEOUT="8")
     result = run_processes([Spawn(_fit_scenario(str(tmp_path)), env)], GANG_TIMEOUT)
     output, elapsed = result.outputs[0], result.seconds[0]
     assert result.codes[0] != 0, output[-3000:]

@@ -303,7 +303,7 @@ def test_adam_runs_fused_in_eager_steps(tfdata_adam, pydataset_adam_3):
 
 def test_fused_adam_matches_keras_adam():
     """One process: Keras' torch Adam/AdamW and the fused kernel on identical gradients."""
-    output = run_one_process(python_worker("fused_adam_check.py"), GANG_TIMEOUT, env=worker_env("torch"))
+    output = run_one_process(python_worker("fused_adam_check.py"), GANG_TIMEOUT, env=worker_env("torch", lean=True))
     line = next(line for line in output.splitlines() if line.startswith("RESULT "))
     report = json.loads(line[len("RESULT "):])
     for name in ("adam", "adam_schedule", "adamw"):
@@ -333,7 +333,7 @@ def test_custom_loop_surface(dropout):
 def _fault_gang(out: str, mode: str, wait_for: set[int] | None = None):
     """tests/workers/torch_faults.py MODE on 2 workers, each exiting on its own (the launcher
     would stop survivors itself); those not in `wait_for` (default: all) are stopped after."""
-    return watch_gang(python_worker("torch_faults.py", out, mode), 2, GANG_TIMEOUT, env=worker_env("torch"),
+    return watch_gang(python_worker("torch_faults.py", out, mode), 2, GANG_TIMEOUT, env=worker_env("torch", lean=True),
                       wait_for=wait_for)
 
 

@@ -66,13 +66,13 @@ def all_runs(request, tmp_path_factory):
     def run(job):
         backend, name = job
         if name in LONE_SCRIPTS:   # no TF_CONFIG; checked by its own test (`result_lines`)
-            return run_processes([Spawn(python_worker(name), worker_env(backend))], timeout=300)
+            return run_processes([Spawn(python_worker(name), worker_env(backend, lean=True))], timeout=300)
         out, backup = roots[backend] / name, roots[backend] / f"{name}-backup"
         started = time.monotonic()
         result = run_launcher(
             ["--workers", "2", "--max-restarts", "0" if name == "reference" else "1", "--grace-period", "3"],
             [SCENARIO, "--out", str(out), "--backup", str(backup), *FAULTS[name]],
-            timeout=RUN_TIMEOUT, env=worker_env(backend))
+            timeout=RUN_TIMEOUT, env=worker_env(backend, lean=True))
         seconds[job] = time.monotonic() - started
         return out, backup, result
 
@@ -211,7 +211,7 @@ def test_tensorboard_leaves_no_scratch_directory_on_any_worker(backend, tmp_path
     for temp_dir in temp_dirs:
         temp_dir.mkdir()
     result = run_gang(python_worker("tensorboard_scratch.py", "--log-dir", str(tmp_path / "logs")),
-                      workers=2, timeout=300, env=worker_env(backend), grace_period=60,
+                      workers=2, timeout=300, env=worker_env(backend, lean=True), grace_period=60,
                       per_worker_env={index: {"TMPDIR": str(temp_dirs[index])} for index in range(2)})
     for index in range(2):
         assert any("scratch after fit: []" in line for line in result.lines(index)), result.output[-6000:]

@@ -79,7 +79,7 @@ def run_until_all_exit(out: Path, *args: str) -> tuple[dict, dict, str, str]:
     """Runs 2 workers; each must exit on its own. Returns codes, exit times, output, orphans."""
     marker = f"kmwms-disk-{uuid.uuid4().hex[:12]}"
     watched = watch_gang(python_worker("full_disk.py", str(out), "--marker", marker, *args), 2,
-                         HARD_DEADLINE, env=worker_env(BACKEND), marker=marker)
+                         HARD_DEADLINE, env=worker_env(BACKEND, lean=True), marker=marker)
     return watched.codes, watched.exit_times, watched.output, watched.orphans
 
 

@@ -70,7 +70,7 @@ def test_ps_tasks_are_ignored_with_a_warning():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_strategy_after_the_backend_ran_is_handled_or_explained(backend):
-    gang = run_gang(python_worker("late_strategy.py"), 2, timeout=300, env=worker_env(backend))
+    gang = run_gang(python_worker("late_strategy.py"), 2, timeout=300, env=worker_env(backend, lean=True))
     outcomes = [line for worker in (0, 1) for line in gang.lines(worker) if line.startswith("RESULT")]
     assert len(outcomes) == 2, gang.output[-6000:]
     if backend == "torch":  # torch needs no start-up configuration: it simply works
@@ -82,7 +82,7 @@ def test_strategy_after_the_backend_ran_is_handled_or_explained(backend):
 
 def test_a_torch_process_group_that_contradicts_tf_config_is_a_clear_error():
     gang = run_gang(python_worker("late_strategy.py", "--own-process-group"), 2, timeout=300,
-                    env=worker_env("torch"))
+                    env=worker_env("torch", lean=True))
     outcomes = [line for worker in (0, 1) for line in gang.lines(worker) if line.startswith("RESULT")]
     assert len(outcomes) == 2, gang.output[-6000:]
     for line in outcomes:

@@ -56,7 +56,7 @@ def chain(tmp_path_factory):
     for number, workers in enumerate(GANGS):
         plan = ([{"name": "reference", "variant": "arrays"}] if number == 0 else []) + [elastic]
         results.append(run_gang(python_worker(SCENARIO, "--out", str(out), "--plan", json.dumps(plan)),
-                                workers, GANG_TIMEOUT, env=worker_env("torch"), grace_period=2))
+                                workers, GANG_TIMEOUT, env=worker_env("torch", lean=True), grace_period=2))
     print(f"\nelastic chain {' -> '.join(map(str, GANGS))} workers, kills at {kills}: "
           f"{time.monotonic() - started:.1f} s")
     return out, kills, results

@@ -65,7 +65,7 @@ def run(request, tmp_path_factory):
     result = run_launcher(
         ["--workers", "2", "--max-restarts", str(KILLS_PER_BACKEND), "--grace-period", "1"],
         [SCENARIO, "--out", str(out), "--plan", json.dumps(jobs)],
-        timeout=RUN_TIMEOUT, env=worker_env(backend))
+        timeout=RUN_TIMEOUT, env=worker_env(backend, lean=True))
     SECONDS[backend] = time.monotonic() - started
     print(f"\nexact resume, {backend}: {SECONDS[backend]:.1f} s for {len(jobs)} jobs, "
           f"{result.launcher_log.count('restarting the gang')} restarts; kills at "

@@ -62,7 +62,7 @@ def observe(backend: str, out: str, workers: int, *args: str, wait_for: set[int]
     then stopped as the launcher would (SIGTERM, SIGKILL); see `tests.multiworker.watch_gang`.
     """
     marker = f"kmwms-fault-{uuid.uuid4().hex[:12]}"
-    env = worker_env(backend, KERAS_MWMS_RENDEZVOUS_TIMEOUT=str(rendezvous_timeout))
+    env = worker_env(backend, lean=True, KERAS_MWMS_RENDEZVOUS_TIMEOUT=str(rendezvous_timeout))
     os.makedirs(out, exist_ok=True)
     watched = watch_gang(python_worker("fault_scenario.py", out, "--marker", marker, *args), workers,
                          deadline, env=env, wait_for=wait_for, per_worker_env=per_worker_env, marker=marker)

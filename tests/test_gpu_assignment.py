@@ -289,7 +289,7 @@ def test_rendezvous_lets_workers_share_a_gpu_where_allowed_and_distinct_gpus_alw
 
 
 def _claiming_one_gpu(backend: str, implementation: str, out) -> GangResult:
-    env = worker_env(backend, KERAS_MWMS_FAKE_GPU_UUIDS="GPU-0f0e0d0c-fake-4000-8000-000000000001")
+    env = worker_env(backend, lean=True, KERAS_MWMS_FAKE_GPU_UUIDS="GPU-0f0e0d0c-fake-4000-8000-000000000001")
     return run_gang(python_worker("gpu_identity.py", implementation, str(out)), 2, timeout=180, env=env)
 
 
@@ -439,7 +439,7 @@ def test_tensorflow_workers_get_their_gpus_as_local_replicas():
     import subprocess
 
     result = subprocess.run([sys.executable, "-c", _TF_WIRING], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, **worker_env("tensorflow")})
+                            env={**os.environ, **worker_env("tensorflow", lean=True)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert [line for line in result.stdout.splitlines() if line.startswith("TF")] == ["TF 0 CPU 1", "TF 2 GPU 2"]
 
@@ -450,6 +450,6 @@ def test_jax_workers_start_on_their_gpus():
     import subprocess
 
     result = subprocess.run([sys.executable, "-c", _JAX_WIRING], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, **worker_env("jax")})
+                            env={**os.environ, **worker_env("jax", lean=True)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "JAX nccl [1]" in result.stdout.splitlines(), result.stdout

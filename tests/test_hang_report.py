@@ -324,7 +324,7 @@ class Run:
 def _run(backend: str, fault: str, out: str) -> Run:
     marker = f"kmwms-hang-{uuid.uuid4().hex[:12]}"
     os.makedirs(out, exist_ok=True)
-    env = worker_env(backend, KERAS_MWMS_HANG_REPORT_SECONDS=str(THRESHOLD))
+    env = worker_env(backend, lean=True, KERAS_MWMS_HANG_REPORT_SECONDS=str(THRESHOLD))
     result = run_launcher(["--workers", "2", "--grace-period", "3"],
                           [str(WORKERS_DIR / "hang_scenario.py"), out, "--fault", fault, "--at-batch",
                            str(AT_BATCH), "--sleep", str(10 * THRESHOLD), "--marker", marker,
@@ -390,7 +390,7 @@ def test_kill_usr1_on_a_healthy_gang_prints_the_report_and_training_goes_on(tmp_
     result = run_launcher(["--workers", "2", "--grace-period", "3"],
                           [str(WORKERS_DIR / "hang_scenario.py"), str(tmp_path), "--fault", "usr1",
                            "--at-batch", str(AT_BATCH), "--sleep", "4", "--marker", marker],
-                          timeout=GANG_TIMEOUT, env=worker_env("torch"))
+                          timeout=GANG_TIMEOUT, env=worker_env("torch", lean=True))
     described = f"exit {result.returncode}\n{result.launcher_log[-3000:]}\n{result.output[-6000:]}"
     assert result.returncode == 0, described
     assert result.output.count("keras_mwms hang report (SIGUSR1)") == 1, described

@@ -29,7 +29,7 @@ def _gang(backend: str, mode: str, out: str):
     marker = f"kmwms-scope-{uuid.uuid4().hex[:12]}"
     os.makedirs(out, exist_ok=True)
     return watch_gang([sys.executable, str(WORKERS_DIR / "model_outside_scope.py"), out, mode, marker], 2,
-                      deadline=DEADLINE, env=worker_env(backend), marker=marker)
+                      deadline=DEADLINE, env=worker_env(backend, lean=True), marker=marker)
 
 
 @pytest.fixture(scope="module")

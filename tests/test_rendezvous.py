@@ -20,7 +20,7 @@ def run_workers(addresses_per_worker, indices, extra_env=None, timeout=20, deadl
     seconds every worker is killed and the test fails with their output.
     """
     spawns = [Spawn(python_worker("rendezvous_worker.py"),
-                    {**worker_env(), "RDV_TIMEOUT": str(timeout), "TF_CONFIG": make_tf_config(addresses, index),
+                    {**worker_env(lean=True), "RDV_TIMEOUT": str(timeout), "TF_CONFIG": make_tf_config(addresses, index),
                      **(extra_env or {}).get(position, {})})
               for position, (addresses, index) in enumerate(zip(addresses_per_worker, indices))]
     ran = run_processes(spawns, timeout=deadline)

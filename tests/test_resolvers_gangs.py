@@ -103,7 +103,7 @@ def srun_style(backend: str, out: Path) -> list[Spawn]:
     """What `srun --ntasks 2` on one node exports (the variables our resolver reads, and more)."""
     job_id, port_base = str(random.randrange(10 ** 6, 10 ** 7)), str(free_port_run(2))
     return [Spawn(python_worker("two_hosts_fit.py", str(out)),
-                  {**worker_env(backend), "SLURM_JOB_ID": job_id, "SLURM_STEP_ID": "0", "SLURM_PROCID": str(rank),
+                  {**worker_env(backend, lean=True), "SLURM_JOB_ID": job_id, "SLURM_STEP_ID": "0", "SLURM_PROCID": str(rank),
                    "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "SLURM_STEP_NUM_TASKS": "2",
                    "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NODELIST": "localhost",
                    "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "localhost",
@@ -118,7 +118,7 @@ def torchrun_style(backend: str, out: Path) -> list[Spawn]:
     pytest.importorskip("torch.distributed.run", reason="torchrun ships with torch")
     return [Spawn([sys.executable, "-m", "torch.distributed.run",
                    *python_worker("two_hosts_fit.py", str(out))[2:]],
-                  {**worker_env(backend), "PET_NNODES": "1", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "0",
+                  {**worker_env(backend, lean=True), "PET_NNODES": "1", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "0",
                    "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(free_port_run(3))})]
 
 
@@ -126,7 +126,7 @@ def mpirun_style(backend: str, out: Path) -> list[Spawn]:
     """What `mpirun -np 2` (Open MPI) exports to each rank."""
     port_base = str(free_port_run(2))
     return [Spawn(python_worker("two_hosts_fit.py", str(out)),
-                  {**worker_env(backend), "OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "2",
+                  {**worker_env(backend, lean=True), "OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "2",
                    "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
                    "OMPI_COMM_WORLD_NODE_RANK": "0", "KERAS_MWMS_PORT_BASE": port_base})
             for rank in (0, 1)]
@@ -136,7 +136,7 @@ def jax_style(backend: str, out: Path) -> list[Spawn]:
     """Kubeflow Trainer's JAX runtime: only JAX_NUM_PROCESSES, JAX_PROCESS_ID, JAX_COORDINATOR_ADDRESS."""
     coordinator = f"127.0.0.1:{free_port_run(2)}"
     return [Spawn(python_worker("two_hosts_fit.py", str(out)),
-                  {**worker_env(backend), "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(rank),
+                  {**worker_env(backend, lean=True), "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(rank),
                    "JAX_COORDINATOR_ADDRESS": coordinator})
             for rank in (0, 1)]
 
@@ -145,7 +145,7 @@ def skypilot_style(backend: str, out: Path) -> list[Spawn]:
     """A one-node SkyPilot task whose `run:` section starts one process per GPU (LOCAL_RANK each)."""
     port_base = str(free_port_run(2))
     return [Spawn(python_worker("two_hosts_fit.py", str(out)),
-                  {**worker_env(backend), "SKYPILOT_NODE_IPS": "127.0.0.1\n", "SKYPILOT_NODE_RANK": "0",
+                  {**worker_env(backend, lean=True), "SKYPILOT_NODE_IPS": "127.0.0.1\n", "SKYPILOT_NODE_RANK": "0",
                    "SKYPILOT_NUM_NODES": "1", "SKYPILOT_NUM_GPUS_PER_NODE": "2", "LOCAL_RANK": str(rank),
                    "SKYPILOT_TASK_ID": "sky-test", "KERAS_MWMS_PORT_BASE": port_base})
             for rank in (0, 1)]
@@ -193,7 +193,7 @@ def test_pytorchjob_pods_exchange_their_hosts_through_the_masters_store(tmp_path
     script = ("import json, keras_mwms.resolvers as r; "
               "print('ADDRESSES', json.dumps(r.TorchrunClusterResolver().worker_addresses))")
     spawns = [Spawn([sys.executable, "-c", script, str(tmp_path)],
-                    {**worker_env(), "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                    {**worker_env(lean=True), "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                      "MASTER_PORT": str(master_port), "KERAS_MWMS_RENDEZVOUS_TIMEOUT": "30"})
               for rank in (0, 1)]
     ran = run_processes(spawns, timeout=90, grace_after_failure=30)

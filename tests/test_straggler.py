@@ -68,7 +68,7 @@ def _run(backend: str, out: str):
                         [str(WORKERS_DIR / "hang_scenario.py"), out, "--fault", "none", "--delay", str(DELAY),
                          "--epochs", str(EPOCHS), "--batches", str(BATCHES), "--tensorboard",
                          os.path.join(out, "tb"), "--marker", marker],
-                        timeout=240, env=worker_env(backend))
+                        timeout=240, env=worker_env(backend, lean=True))
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ def test_an_srun_step_without_thread_variables_splits_the_cores(tmp_path, monkey
     script.write_text("import keras_mwms, torch\n"
                       "strategy = keras_mwms.MultiWorkerMirroredStrategy()\n"
                       "print('torch threads', torch.get_num_threads(), flush=True)\n")
-    env = worker_env("torch")
+    env = worker_env("torch", lean=True)
     del env["OMP_NUM_THREADS"]
     for variable in [name for name in os.environ if name.startswith(("OMP_", "MKL_"))]:
         monkeypatch.delenv(variable)   # the workers inherit the rest of this environment

@@ -120,10 +120,10 @@ def across(request, two_hosts, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"two-hosts-{backend}")
     port = random.randrange(20000, 40000)  # each namespace has its own ports: any one is free
     workers = [Spawn(python_worker("two_hosts_fit.py", str(root / "gang")),
-                     {**worker_env(backend), "TF_CONFIG": two_hosts.tf_config(index, port)},
+                     {**worker_env(backend, lean=True), "TF_CONFIG": two_hosts.tf_config(index, port)},
                      prefix=("ip", "netns", "exec", namespace))
                for index, namespace in enumerate(two_hosts.namespaces)]
-    single = Spawn(python_worker("two_hosts_fit.py", str(root / "single")), worker_env(backend))
+    single = Spawn(python_worker("two_hosts_fit.py", str(root / "single")), worker_env(backend, lean=True))
     ran = run_processes([*workers, single], timeout=RUN_TIMEOUT, grace_after_failure=GRACE_AFTER_FAILURE)
     output = "".join(f"[worker {index}] {line}" for index in (0, 1)
                      for line in ran.outputs[index].splitlines(keepends=True))
@@ -183,7 +183,7 @@ def across_slurm(across):
             "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": f"{prefix}.[1-2]",
             "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_LOCALID": "0"}
     workers = [Spawn(python_worker("two_hosts_fit.py", str(root)),
-                     {**worker_env(across.backend), **step, "SLURM_PROCID": str(index),
+                     {**worker_env(across.backend, lean=True), **step, "SLURM_PROCID": str(index),
                       "SLURM_NODEID": str(index), "SLURMD_NODENAME": address},
                      prefix=("ip", "netns", "exec", namespace))
                for index, (namespace, address) in enumerate(zip(hosts.namespaces, hosts.addresses))]

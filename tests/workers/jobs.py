@@ -27,6 +27,7 @@ import importlib
 import json
 import logging
 import os
+import resource
 import sys
 import time
 import traceback
@@ -81,6 +82,9 @@ def main() -> None:
         print(f"=== job {job['name']} ends", flush=True)
     if strategy is not None:
         strategy.close()
+    used = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    with open(os.path.join(folder, f"cpu.w{index}"), "w") as handle:   # for the suite's time table
+        handle.write(f"{sum(usage.ru_utime + usage.ru_stime for usage in used):.2f}\n")
 
 
 if __name__ == "__main__":
