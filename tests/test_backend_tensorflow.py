@@ -75,6 +75,17 @@ def equivalence_run(request, shared_runs):
 
 
 @pytest.mark.slow
+def test_workers_end_bit_identical_and_equal_one_process(equivalence_run):
+    gang, workers = equivalence_run["gang"], equivalence_run["workers"]
+    first = load_weights(gang, 0)
+    for index in range(1, workers):
+        assert max_weight_difference(load_weights(gang, index), first) == 0.0
+    delta = max_weight_difference(first, load_weights(equivalence_run["single"], 0))
+    print(f"max|Δw| vs one process ({equivalence_run['name']}, {workers} workers): {delta:.3g}")
+    assert delta <= EQUIVALENCE_TOLERANCE
+
+
+@pytest.mark.slow
 def test_jit_compile_on_cpu_workers_warns_and_trains_unjitted(equivalence_run):
     output = equivalence_run["gang_result"].output
     jit_requested = "--jit-compile" in SCENARIOS[equivalence_run["name"]][1]
