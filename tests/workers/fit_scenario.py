@@ -321,9 +321,6 @@ def record_primitives(strategy, index: int) -> dict:
                      "exercises the TensorFlow custom-loop API")
 
 
-_OPTIONS_AT_START: dict[int, object] = {}   # id(strategy): its CommunicationOptions before any scenario
-
-
 def run_scenario(strategy, out: str, arguments) -> None:
     import keras
     import numpy as np
@@ -344,10 +341,21 @@ def run_scenario(strategy, out: str, arguments) -> None:
     changes = {"compression": arguments.compression}
     if arguments.no_torch_overlap:
         changes["torch_overlap"] = False
-    # From the options the strategy started with: an earlier scenario's must not carry over in a
-    # warm process (`tests/workers/jobs.py`).
-    started_with = _OPTIONS_AT_START.setdefault(id(strategy), strategy.backend.options)
-    strategy.backend.options = dataclasses.replace(started_with, **changes)
+    # This scenario's options, put back when it ends: in a warm process (`tests/workers/jobs.py`)
+    # the next job must not train compressed because this one did.
+    before = strategy.backend.options
+    strategy.backend.options = dataclasses.replace(before, **changes)
+    try:
+        _fit_and_dump(strategy, out, arguments, index, data, outputs, loss, metrics, x, y, seed_probe)
+    finally:
+        strategy.backend.options = before
+
+
+def _fit_and_dump(strategy, out: str, arguments, index: int, data, outputs: int, loss, metrics, x, y,
+                  seed_probe: float) -> None:
+    import keras
+    import numpy as np
+
     with strategy.scope():
         model = build_model(arguments, outputs, loss, metrics)
     os.makedirs(out, exist_ok=True)

@@ -13,8 +13,9 @@ PLAN.json is a list of `{"name", "script", "argv"}`. What a job prints (stdout a
 between the lines `=== job NAME begins` and `=== job NAME ends`; how it ended goes to
 `<plan folder>/<name>.w<index>.status` (`done in S s`, or the traceback). A job that raises ends
 this process with status 1 (the gang's collectives cannot be trusted after one worker left a
-job half-way), and `JOB FAILED NAME` names it. Between jobs TorchDynamo
-forgets what it compiled (`torch._dynamo.reset()`), as a fresh process would: its
+job half-way), and `JOB FAILED NAME` names it. After every job the
+strategy's `CommunicationOptions` are put back as they were before it, and between jobs
+TorchDynamo forgets what it compiled (`torch._dynamo.reset()`), as a fresh process would: its
 `recompile_limit` counts compiled models per process (`keras_mwms.backends.torch.recompile_limit`).
 `--log-level ERROR` sets the keras_mwms logger's level before keras_mwms is imported, as a user
 silencing it does.
@@ -67,6 +68,7 @@ def main() -> None:
         print(f"=== job {job['name']} begins: {job['script']} {' '.join(job['argv'])}", flush=True)
         _forget_compiled_functions()
         started = time.monotonic()
+        options = None if strategy is None else strategy.backend.options
         try:
             importlib.import_module(job["script"]).run_job(strategy, job["argv"])
         except BaseException as error:   # SystemExit of a script's argument error included
@@ -75,6 +77,8 @@ def main() -> None:
             common.log(f"JOB FAILED {job['name']}: {error!r}\n{traceback.format_exc()}")
             sys.exit(1)
         finally:
+            if options is not None:   # a job's CommunicationOptions (compression, ...) end with it
+                strategy.backend.options = options
             sys.stdout.flush()
             sys.stderr.flush()
         with open(status, "w") as handle:
