@@ -47,9 +47,9 @@ from tests.multiworker import REPO, _Capture, concurrently, python_worker, worke
 PLAIN = 0     # one process of plain Keras, no keras_mwms imported (`jobs.py --plain`)
 SINGLE = 1    # one keras_mwms process without TF_CONFIG (the single-process reference)
 LATE, LAST = 1, 2   # `Job.order`: after the ordinary jobs; the very last
-START_SECONDS = 240
+START_SECONDS = 240         # a runner's start-up and exit, beyond its jobs' budgets (load 8: imports ~60 s)
 BACKGROUND_NICENESS = 10    # the shared runners' `nice` until a test waits for them
-BACKGROUND_SECONDS = 3600   # how long a runner may be starved in the background before its own bound        # a runner's start-up and exit, beyond its jobs' budgets (load 8: imports ~60 s)
+BACKGROUND_SECONDS = 3600   # how long a runner may be starved in the background before its own bound
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,11 @@ def gang(backend: str, workers: int) -> Runner:
     return Runner(backend, workers, flags=("--log-level", "ERROR") if workers == 3 else ())
 
 
+def job_key(module: str, name: str) -> str:
+    """A job's name in its runner's plan, status files and output markers: `test_x.name`."""
+    return f"{module.rsplit('.', 1)[-1]}.{name}"
+
+
 @dataclass
 class Job:
     """One scenario script's run inside a runner: `run_job(strategy, argv)` of `tests/workers/<script>.py`."""
@@ -93,7 +98,7 @@ class Job:
 
     @property
     def key(self) -> str:
-        return f"{self.module.rsplit('.', 1)[-1]}.{self.name}"
+        return job_key(self.module, self.name)
 
 
 @dataclass
@@ -190,7 +195,7 @@ class SharedRuns:
         job's logs if a worker did not finish it."""
         self._wait_for(runner.backend)
         run = self.runs.get(runner)
-        key = Job(module, name, "", (), 0).key
+        key = job_key(module, name)
         if run is None or not any(job.key == key for job in run.jobs):
             raise AssertionError(f"no job {key} ran on {runner}: is it registered, and its module selected?")
         statuses = [run.folder / f"{key}.w{index}.status" for index in range(runner.processes)]
@@ -209,7 +214,7 @@ class SharedRuns:
         run = self.runs[runner]
         if name is None:
             return JobOutput(run.outputs)
-        key = Job(module, name, "", (), 0).key
+        key = job_key(module, name)
         pieces = []
         for text in run.outputs:
             begin = text.find(f"=== job {key} begins")
@@ -232,11 +237,9 @@ class SharedRuns:
             return
         with self._lock:
             self._needed_at.setdefault(backend, time.monotonic())
-            for process in self._processes.get(backend, []):   # a test waits: normal priority now
-                with contextlib.suppress(OSError):
-                    os.setpriority(os.PRIO_PGRP, process.pid, 0)
+            _normal_priority(self._processes.get(backend, []))   # a test waits for them now
         budget = self._budget(backend) + 60   # the runners end themselves by then (`_deadline`)
-        with suite_budget.charged_to(f"waiting for the shared {backend} gangs", wall_only=True):
+        with suite_budget.charged_to(f"waiting for the shared {backend} gangs"):
             if not done.wait(timeout=budget):
                 raise AssertionError(f"the shared {backend} gangs did not finish within {budget:.0f} s of the "
                                      "first test that needed them")
@@ -285,10 +288,8 @@ class SharedRuns:
                                                [process.pid for process in processes.popens()])
             with self._lock:
                 self._processes.setdefault(runner.backend, []).extend(processes.popens())
-                if runner.backend in self._needed_at:   # already waited for: normal priority
-                    for process in processes.popens():
-                        with contextlib.suppress(OSError):
-                            os.setpriority(os.PRIO_PGRP, process.pid, 0)
+                if runner.backend in self._needed_at:   # a test already waits for them
+                    _normal_priority(processes.popens())
             code = None
             while code is None and not self._stopping.is_set():
                 code = processes.wait(1.0)
@@ -362,6 +363,13 @@ class _Processes:
     def outputs(self) -> list[str]:
         text = self.capture.getvalue()
         return [_unprefixed(text, index) for index in range(max(1, self.workers))]
+
+
+def _normal_priority(processes: list[subprocess.Popen]) -> None:
+    """Gives the processes' groups (each started in its own session) niceness 0 again."""
+    for process in processes:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PGRP, process.pid, 0)
 
 
 def _unprefixed(output: str, worker: int) -> str:

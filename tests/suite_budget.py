@@ -139,15 +139,13 @@ class SuiteBudget:
         if report.when == "call":
             self.cases[file] += 1
 
-    def charge(self, label: str, seconds: float, processes: int, cpu: float) -> None:
-        """Moves work done during the current file's case to `label` (a shared run it started)."""
+    def charge(self, label: str, seconds: float) -> None:
+        """Moves wall seconds spent during the current file's case to `label` (waiting for work
+        beside the files, which counts its own processes and CPU)."""
         with self._marks_lock:
             if self._file is not None:
                 self.moved[self._file] += seconds
-                self._marks = (self._marks[0] + processes, self._marks[1] + cpu)
         self.wall[label] += seconds
-        self.processes[label] += processes
-        self.cpu[label] += cpu
 
     def background(self, label: str, pids) -> None:
         """Counts the processes `pids` (and theirs) under `label`, work beside the files."""
@@ -210,17 +208,12 @@ class SuiteBudget:
 
 
 @contextlib.contextmanager
-def charged_to(label: str, wall_only: bool = False) -> Iterator[None]:
-    """Counts the block's wall seconds, processes and child CPU seconds (only the wall seconds:
-    `wall_only`, e.g. waiting for work beside the files, which counts its own) under `label`
-    instead of the test file running it."""
-    budget = SuiteBudget.current
-    if budget is None:
-        yield
-        return
-    started, (processes, cpu) = time.monotonic(), budget._marks_now()
+def charged_to(label: str) -> Iterator[None]:
+    """Counts the block's wall seconds under `label` instead of the test file running it (a test
+    waiting for work beside the files: `tests.shared_gangs`)."""
+    started = time.monotonic()
     try:
         yield
     finally:
-        now = (processes, cpu) if wall_only else budget._marks_now()
-        budget.charge(label, time.monotonic() - started, now[0] - processes, now[1] - cpu)
+        if SuiteBudget.current is not None:
+            SuiteBudget.current.charge(label, time.monotonic() - started)

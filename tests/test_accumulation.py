@@ -36,7 +36,7 @@ import pytest
 
 from keras_mwms.backends.compression import relative_rounding
 from tests.multiworker import python_worker, run_one_process, worker_env
-from tests.shared_gangs import SHARED, SINGLE, Runner
+from tests.shared_gangs import SHARED, SINGLE, Runner, gang
 from tests.workers.common import max_weight_difference
 from tests.workers.fit_scenario import load_dump
 
@@ -74,7 +74,7 @@ def _argv(backend: str) -> list[str]:
 # The backend's gang of 2 and its one-process reference: the shared warm processes
 # (`tests/shared_gangs.py`), every scenario one after another in each.
 for _backend in ("tensorflow", "jax", "torch"):
-    for _runner in (Runner(_backend, 2), Runner(_backend, SINGLE)):
+    for _runner in (gang(_backend, 2), Runner(_backend, SINGLE)):
         SHARED.add(__name__, _runner, "scenarios", "fit_scenario", _argv(_backend), seconds=RUN_TIMEOUT)
 
 
@@ -82,7 +82,7 @@ for _backend in ("tensorflow", "jax", "torch"):
 def runs(request, shared_runs):
     """The backend's folders: {"gang": ..., "reference": ...}, each with a folder per scenario."""
     backend = request.param
-    return backend, {"gang": shared_runs.folder(Runner(backend, 2), __name__, "scenarios"),
+    return backend, {"gang": shared_runs.folder(gang(backend, 2), __name__, "scenarios"),
                      "reference": shared_runs.folder(Runner(backend, SINGLE), __name__, "scenarios")}
 
 

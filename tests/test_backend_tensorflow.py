@@ -55,10 +55,10 @@ SHARED.add(__name__, REFERENCE, "references", "fit_scenario",
                "--scenario", f"{name}: {shlex.join(a for a in SCENARIOS[name][1] if a not in GANG_ONLY)}"))],
            seconds=GANG_TIMEOUT)
 # --shuffle: fit's default, which shuffles the order of a PyDataset's batches.
-SHARED.add(__name__, Runner("tensorflow", 2), "dropout_pydataset", "fit_scenario",
+SHARED.add(__name__, gang("tensorflow", 2), "dropout_pydataset", "fit_scenario",
            ["{out}", *BASE, "--data", "pydataset", "--shuffle", "--dropout", "0.3", "--validation", "data",
             "--seed-by-worker"], seconds=GANG_TIMEOUT)
-SHARED.add(__name__, Runner("tensorflow", 2), "shard_off", "fit_scenario",
+SHARED.add(__name__, gang("tensorflow", 2), "shard_off", "fit_scenario",
            ["{out}", *BASE, "--data", "dataset_off", "--rows", "220"], seconds=GANG_TIMEOUT)
 
 
@@ -156,7 +156,7 @@ def test_single_worker_warns_once(equivalence_run):
 
 @pytest.fixture(scope="module")
 def dropout_pydataset_run(shared_runs):
-    return shared_runs.folder(Runner("tensorflow", 2), __name__, "dropout_pydataset")
+    return shared_runs.folder(gang("tensorflow", 2), __name__, "dropout_pydataset")
 
 
 @pytest.mark.slow
@@ -171,8 +171,8 @@ def test_dropout_on_pydataset_with_validation_stays_bit_identical(dropout_pydata
 
 @pytest.fixture(scope="module")
 def unsharded_run(shared_runs):
-    gang = Runner("tensorflow", 2)
-    return shared_runs.folder(gang, __name__, "shard_off"), shared_runs.output(gang, __name__, "shard_off")
+    runner = gang("tensorflow", 2)
+    return shared_runs.folder(runner, __name__, "shard_off"), shared_runs.output(runner, __name__, "shard_off")
 
 
 @pytest.mark.slow

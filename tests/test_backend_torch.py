@@ -56,7 +56,7 @@ def _argv(names) -> list[str]:
 
 # The shared warm processes (`tests/shared_gangs.py`): the gangs of 2 and 3 and the one process
 # without TF_CONFIG that runs every equivalence scenario's reference.
-RUNNERS = {"two_workers": (Runner("torch", 2), TWO_WORKER_SCENARIOS),
+RUNNERS = {"two_workers": (gang("torch", 2), TWO_WORKER_SCENARIOS),
            "three_workers": (gang("torch", 3), THREE_WORKER_SCENARIOS),
            "reference": (Runner("torch", SINGLE), REFERENCE_SCENARIOS)}
 for _runner, _names in RUNNERS.values():

@@ -34,7 +34,7 @@ import pytest
 from keras_mwms.backends.compression import WireBytes, relative_rounding, wire_dtype
 from keras_mwms.benchmark import compression as benchmark
 from keras_mwms.communication import COMPRESSION_ENV, CommunicationOptions
-from tests.shared_gangs import SHARED, SINGLE, Runner
+from tests.shared_gangs import SHARED, SINGLE, Runner, gang
 from tests.workers.common import max_weight_difference
 from tests.workers.fit_scenario import load_dump
 
@@ -67,7 +67,7 @@ def _argv(names) -> list[str]:
 # The backend's shared warm gang of 2 runs every scenario; its shared process without TF_CONFIG
 # the uncompressed one, recording path lengths (`tests/shared_gangs.py`).
 for _backend, _names in COMPRESSED.items():
-    SHARED.add(__name__, Runner(_backend, 2), "scenarios", "fit_scenario", _argv(("plain", *_names)),
+    SHARED.add(__name__, gang(_backend, 2), "scenarios", "fit_scenario", _argv(("plain", *_names)),
                seconds=RUN_TIMEOUT)
     SHARED.add(__name__, Runner(_backend, SINGLE), "reference", "fit_scenario", [*_argv(["plain"]), "--record-path"],
                seconds=RUN_TIMEOUT)
@@ -77,7 +77,7 @@ for _backend, _names in COMPRESSED.items():
 def runs(request, shared_runs):
     """The backend, and its folders {"gang": ..., "reference": ...} with a folder per scenario."""
     backend = request.param
-    return backend, {"gang": shared_runs.folder(Runner(backend, 2), __name__, "scenarios"),
+    return backend, {"gang": shared_runs.folder(gang(backend, 2), __name__, "scenarios"),
                      "reference": shared_runs.folder(Runner(backend, SINGLE), __name__, "reference")}
 
 
