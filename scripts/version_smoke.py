@@ -22,7 +22,8 @@ weights. Prints the compatibility table; exits 1 if a cell failed (unless `--rep
     python scripts/version_smoke.py nightly --callbacks --report-only   # `make keras-nightly`
 
 `nightly` installs the newest `keras-nightly` the index serves (outside the supported range:
-run with `KERAS_MWMS_ALLOW_UNTESTED_KERAS=1`); `installed` uses the environment's own Keras;
+run with `KERAS_MWMS_ALLOW_UNTESTED_KERAS=1`); `installed` uses the environment's own Keras (the suite runs that cell in its shared gangs,
+`tests/test_versions.py`, so `make test` leaves it out);
 `--callbacks` also runs `tests/test_callbacks.py` against the release.
 """
 
@@ -161,31 +162,37 @@ def equivalence(cell: Cell, overlay: Path | None, out: Path, in_range: bool) -> 
         return
     if in_range and any(UNTESTED_WARNING in output for output in result.outputs):
         cell.problems.append("warned about an untested release inside the supported range")
-    versions = {load_result(out / "workers", 0)["keras"], load_result(out / "reference", 0)["keras"]}
+    judge(cell, out / "workers", out / "reference")
+
+
+def judge(cell: Cell, workers: Path, reference: Path) -> None:
+    """Fills `cell` from the results of 2 workers (`workers`) and one process (`reference`) of
+    `tests/workers/version_smoke.py`; `cell.ok` when every check passes (the suite judges the
+    installed release's cell, run in its shared gangs, the same way: `tests/test_versions.py`)."""
+    versions = {load_result(workers, 0)["keras"], load_result(reference, 0)["keras"]}
     if versions != {cell.keras}:
         cell.problems.append(f"ran Keras {sorted(versions)}, not the overlay's {cell.keras}")
-    reference = load_weights(out / "reference", 0)
-    cell.workers_delta = max_weight_difference(load_weights(out / "workers", 0),
-                                               load_weights(out / "workers", 1))
-    cell.reference_delta = max_weight_difference(load_weights(out / "workers", 0), reference)
+    one_process = load_weights(reference, 0)
+    cell.workers_delta = max_weight_difference(load_weights(workers, 0), load_weights(workers, 1))
+    cell.reference_delta = max_weight_difference(load_weights(workers, 0), one_process)
     if cell.workers_delta != 0.0:
         cell.problems.append(f"workers differ by {cell.workers_delta:.3g}")
     if not cell.reference_delta <= TOLERANCE:
         cell.problems.append(f"{cell.reference_delta:.3g} from one process (> {TOLERANCE:g})")
-    adam = [load_weights(out / "workers" / "adam", index) for index in range(2)]
-    cell.adam_delta = max_weight_difference(adam[0], load_weights(out / "reference" / "adam", 0))
+    adam = [load_weights(workers / "adam", index) for index in range(2)]
+    cell.adam_delta = max_weight_difference(adam[0], load_weights(reference / "adam", 0))
     if max_weight_difference(adam[0], adam[1]) != 0.0:
         cell.problems.append("Adam: workers differ")
     if not cell.adam_delta <= TOLERANCE:
         cell.problems.append(f"Adam: {cell.adam_delta:.3g} from one process (> {TOLERANCE:g})")
     if cell.backend == "torch":
-        cell.collectives_per_step = load_result(out / "workers", 0)["collectives_per_step"]
+        cell.collectives_per_step = load_result(workers, 0)["collectives_per_step"]
         for index in range(2):
-            counted = load_result(out / "workers", index)["collectives_per_step"]
+            counted = load_result(workers, index)["collectives_per_step"]
             if counted != TORCH_COLLECTIVES_PER_STEP:
                 cell.problems.append(f"worker {index} issued {counted} collectives per step, not "
                                      f"{TORCH_COLLECTIVES_PER_STEP} (doubled by Keras' own distribution?)")
-    losses = [load_result(out / "workers", 0)["evaluate_loss"], load_result(out / "reference", 0)["evaluate_loss"]]
+    losses = [load_result(workers, 0)["evaluate_loss"], load_result(reference, 0)["evaluate_loss"]]
     if not abs(losses[0] - losses[1]) <= TOLERANCE * max(1.0, abs(losses[1])):
         cell.problems.append(f"evaluate loss {losses[0]:.8g} vs one process {losses[1]:.8g}")
     cell.ok = not cell.problems

@@ -302,6 +302,7 @@ class SharedRuns:
             if SuiteBudget.current is not None:   # its CPU, reaped while some file ran: not that file's
                 cpu = sum(float(path.read_text()) for path in folder.glob("cpu.w*"))
                 SuiteBudget.current.ended_beside(f"shared gangs: {runner.backend}", 0.0, cpu)
+                SuiteBudget.current.slowest(f"shared gangs: {runner.backend}", _job_seconds(folder, jobs))
         return RunnerRun(folder, [code], processes.outputs(), time.monotonic() - started, jobs)
 
 
@@ -363,6 +364,17 @@ class _Processes:
     def outputs(self) -> list[str]:
         text = self.capture.getvalue()
         return [_unprefixed(text, index) for index in range(max(1, self.workers))]
+
+
+def _job_seconds(folder: Path, jobs: list[Job]) -> list[tuple[str, float]]:
+    """How long each job took on the runner's first process (its status file), for the time table."""
+    seconds = []
+    for job in jobs:
+        status = folder / f"{job.key}.w0.status"
+        found = re.match(r"(?:done in|failed after) ([0-9.]+) s", status.read_text()) if status.exists() else None
+        if found:
+            seconds.append((job.key, float(found.group(1))))
+    return seconds
 
 
 def _normal_priority(processes: list[subprocess.Popen]) -> None:

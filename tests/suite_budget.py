@@ -30,11 +30,32 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 OUTPUT = REPO / "build" / "suite-budget"
 SAMPLE_SECONDS = 0.5
+SLOWEST_SHOWN = 8   # the slowest jobs of each kind of work beside the files, in the table
 
 
 def _children_cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+def _own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _machine_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU time of the whole machine so far, all cores, from /proc/stat."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(value) for value in stat.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return 0, 0
+    idle = fields[3] + fields[4]   # idle, iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def _busy(busy: int, total: int) -> float:
+    return busy / total if total else 0.0
 
 
 class _Descendants(threading.Thread):
@@ -103,23 +124,31 @@ class SuiteBudget:
         self.processes: dict[str, int] = defaultdict(int)
         self.cpu: dict[str, float] = defaultdict(float)
         self.cases: dict[str, int] = defaultdict(int)
+        self.own_cpu: dict[str, float] = defaultdict(float)
+        self.jiffies: dict[str, list[int]] = defaultdict(lambda: [0, 0])   # file -> [busy, total]
+        self.slowest_jobs: dict[str, list[tuple[str, float]]] = {}
         # Work beside the files (`tests.shared_gangs`): label -> [wall s, child CPU s].
         self.beside: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
         self.sampler = _Descendants() if os.path.isdir("/proc") else None
         self._file: str | None = None
-        self._marks = (0, 0.0)
+        self._marks = (0, 0.0, 0.0, (0, 0))
         self._marks_lock = threading.Lock()   # `ended_beside` runs in another thread
         self.started = time.monotonic()
+        self.started_jiffies = _machine_jiffies()
 
-    def _marks_now(self) -> tuple[int, float]:
-        return (self.sampler.count() if self.sampler else 0, _children_cpu_seconds())
+    def _marks_now(self) -> tuple[int, float, float, tuple[int, int]]:
+        return (self.sampler.count() if self.sampler else 0, _children_cpu_seconds(), _own_cpu_seconds(),
+                _machine_jiffies())
 
     def _close_file(self) -> None:
         with self._marks_lock:
             if self._file is not None:
-                processes, cpu = self._marks_now()
+                processes, cpu, own, jiffies = self._marks_now()
                 self.processes[self._file] += processes - self._marks[0]
                 self.cpu[self._file] += cpu - self._marks[1]
+                self.own_cpu[self._file] += own - self._marks[2]
+                for at, now in enumerate(jiffies):
+                    self.jiffies[self._file][at] += now - self._marks[3][at]
             self._file = None
 
     def pytest_sessionstart(self, session) -> None:
@@ -157,32 +186,51 @@ class SuiteBudget:
         which the file running now was charged when they were reaped."""
         with self._marks_lock:
             if self._file is not None:
-                self._marks = (self._marks[0], self._marks[1] + cpu)
+                self._marks = (self._marks[0], self._marks[1] + cpu, *self._marks[2:])
         self.beside[label][0] += wall
         self.beside[label][1] += cpu
+
+    def slowest(self, label: str, jobs: list[tuple[str, float]]) -> None:
+        """Records the seconds of work beside the files by job (`tests.shared_gangs`)."""
+        with self._marks_lock:
+            summed = dict(self.slowest_jobs.get(label, []))
+            for name, seconds in jobs:
+                summed[name] = summed.get(name, 0.0) + seconds
+            self.slowest_jobs[label] = sorted(summed.items(), key=lambda job: -job[1])
 
     def rows(self) -> list[dict]:
         wall = {file: seconds - self.moved[file] for file, seconds in self.wall.items()}
         total = sum(wall.values()) or 1.0
         return [{"file": file, "wall_s": round(seconds, 1), "share": round(seconds / total, 4),
                  "cases": self.cases[file], "processes": self.processes[file],
-                 "child_cpu_s": round(self.cpu[file], 1)}
+                 "child_cpu_s": round(self.cpu[file], 1), "pytest_cpu_s": round(self.own_cpu[file], 1),
+                 "busy": round(_busy(*self.jiffies[file]), 3) if file in self.jiffies else None}
                 for file, seconds in sorted(wall.items(), key=lambda item: -item[1])]
 
     def table(self) -> str:
         rows = self.rows()
-        lines = ["suite budget (per test file; processes = descendants of pytest seen alive; "
-                 "child CPU = their user+system seconds):",
-                 f"{'file':<40} {'wall s':>8} {'share':>6} {'cases':>6} {'procs':>6} {'child CPU s':>12}"]
+        lines = ["suite budget (per test file; procs = descendants of pytest seen alive; child CPU = their "
+                 "user+system seconds; pytest CPU = the pytest process's own; busy = share of the machine's "
+                 "cores in use meanwhile, anyone's):",
+                 f"{'file':<40} {'wall s':>7} {'share':>6} {'cases':>5} {'procs':>5} {'child CPU s':>11} "
+                 f"{'pytest CPU s':>12} {'busy':>5}"]
         for row in rows:
-            lines.append(f"{row['file'].removeprefix('tests/'):<40} {row['wall_s']:>8.1f} "
-                         f"{row['share']:>6.1%} {row['cases']:>6} {row['processes']:>6} {row['child_cpu_s']:>12.1f}")
-        lines.append(f"{'total':<40} {sum(r['wall_s'] for r in rows):>8.1f} {'100%':>6} "
-                     f"{sum(r['cases'] for r in rows):>6} {sum(r['processes'] for r in rows):>6} "
-                     f"{sum(r['child_cpu_s'] for r in rows):>12.1f}")
+            busy = "" if row["busy"] is None else f"{row['busy']:.0%}"
+            lines.append(f"{row['file'].removeprefix('tests/'):<40} {row['wall_s']:>7.1f} {row['share']:>6.1%} "
+                         f"{row['cases']:>5} {row['processes']:>5} {row['child_cpu_s']:>11.1f} "
+                         f"{row['pytest_cpu_s']:>12.1f} {busy:>5}")
+        session_busy = [now - then for now, then in zip(_machine_jiffies(), self.started_jiffies)]
+        lines.append(f"{'total':<40} {sum(r['wall_s'] for r in rows):>7.1f} {'100%':>6} "
+                     f"{sum(r['cases'] for r in rows):>5} {sum(r['processes'] for r in rows):>5} "
+                     f"{sum(r['child_cpu_s'] for r in rows):>11.1f} {sum(r['pytest_cpu_s'] for r in rows):>12.1f} "
+                     f"{_busy(*session_busy):>5.0%}")
         for label, (wall, cpu) in sorted(self.beside.items()):
             processes = len(self.sampler.labelled.get(label, ())) if self.sampler else 0
             lines.append(f"beside the files: {label}: {wall:.0f} s wall, {processes} processes, {cpu:.0f} CPU s")
+            jobs = self.slowest_jobs.get(label, [])
+            if jobs:
+                lines.append("  slowest jobs (s, summed over runners): "
+                             + ", ".join(f"{name} {seconds:.0f}" for name, seconds in jobs[:SLOWEST_SHOWN]))
         lines.append(f"pytest wall from session start: {time.monotonic() - self.started:.0f} s")
         return "\n".join(lines)
 

@@ -3,12 +3,13 @@
 `keras_mwms.backends.patches` declares the range (`SUPPORTED_KERAS`, `SUPPORTED_BACKENDS`);
 these tests hold everything else to it without any gang or ML framework at work (Keras and the
 backends are stood in for by modules with another `__version__` where a release outside the
-range is needed). The releases themselves are run by `scripts/version_smoke.py`
-(`make version-smoke`, part of `make test`).
+range is needed). The other releases are run by `scripts/version_smoke.py` (`make version-smoke`, part of
+`make test`); the installed release's cell of its table runs here, in the shared warm gangs.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 import types
@@ -32,6 +33,7 @@ from keras_mwms.backends.patches import (
     PatchTable,
     release_series,
 )
+from tests.shared_gangs import PLAIN, SHARED, Runner, gang
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -348,3 +350,30 @@ def test_a_missing_private_name_is_refused_naming_it_and_the_release(monkeypatch
     message = str(error.value)
     assert "trainer.no_such_method (class of keras.Model defining make_train_function)" in message
     assert f"Keras {keras.__version__}" in message and f"{ALLOW_UNTESTED_ENV}=1 cannot help" in message
+
+
+# The installed release's cell of the compatibility table (`scripts/version_smoke.py`, which
+# `make test` runs for the other releases): 2 workers and one process of plain Keras, each backend,
+# in the suite's shared warm gangs, judged by the smoke's own checks.
+for _backend in ("tensorflow", "jax", "torch"):
+    SHARED.add(__name__, gang(_backend, 2), "installed_cell", "version_smoke", ["--out", "{out}"], seconds=60)
+    SHARED.add(__name__, Runner(_backend, PLAIN), "installed_cell", "version_smoke",
+               ["--out", "{out}", "--reference"], seconds=60)
+
+
+def _version_smoke():
+    spec = importlib.util.spec_from_file_location("version_smoke_script", REPO / "scripts" / "version_smoke.py")
+    module = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
+def test_the_installed_release_trains_like_one_process_of_plain_keras(backend, shared_runs):
+    smoke = _version_smoke()
+    cell = smoke.Cell(keras.__version__, backend)
+    smoke.judge(cell, Path(shared_runs.folder(gang(backend, 2), __name__, "installed_cell")),
+                Path(shared_runs.folder(Runner(backend, PLAIN), __name__, "installed_cell")))
+    assert cell.ok, f"Keras {keras.__version__} on {backend}: {'; '.join(cell.problems)}"
+    if backend == "torch":
+        assert cell.collectives_per_step == smoke.TORCH_COLLECTIVES_PER_STEP

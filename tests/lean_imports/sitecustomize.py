@@ -14,9 +14,14 @@ the version smoke) keep the full environment.
 
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 
 LEFT_OUT = ("matplotlib", "sklearn", "pandas", "orbax")
+# Keras imports JAX on every backend (its Orbax callback checks a JAX attribute at import):
+# another 0.5 CPU s of a TensorFlow or torch worker's start-up.
+if os.environ.get("KERAS_BACKEND", "tensorflow") != "jax":
+    LEFT_OUT += ("jax", "jaxlib")
 
 
 class _Absent(importlib.abc.Loader):
