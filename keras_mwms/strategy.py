@@ -204,10 +204,11 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
         # (`resume.skip_steps_in_next_training_epoch`).
         session.install(resume.PATCHES)
         # Imported here: keras_mwms.callbacks imports Keras, which the backend has now loaded.
-        from keras_mwms.callbacks import worker_aware
+        from keras_mwms.callbacks import agreement, worker_aware
 
-        session.start(lambda: callback_list.convert_with(worker_aware.worker_aware),
-                      lambda: callback_list.convert_with(None))
+        session.start(lambda: callback_list.convert_with(
+            lambda callbacks: agreement.with_agreement(worker_aware.worker_aware(callbacks))),
+            lambda: callback_list.convert_with(None))
         session.install(callback_list.PATCHES)
 
     def close(self) -> None:

@@ -8,7 +8,8 @@ conversion the facade installed it with (`keras_mwms.callbacks.worker_aware.work
 Keras' own file-writing callbacks become keras_mwms' chief-aware ones), so the policy lives in
 one place instead of in each backend's `fit` wrapper. The strategy sets the conversion and
 installs the row when it is created (with its other tables, `keras_mwms.active.Session`), and
-`close()` removes both.
+`close()` removes both. The conversion sees every list, an empty one too, so what it adds on
+every worker (`keras_mwms.callbacks.agreement`) is there on every worker.
 
 Example (a stand-in conversion; the facade sets the real one):
 
@@ -50,9 +51,8 @@ def _converting_init(original):
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs)
-        callbacks = bound.arguments.get("callbacks")
-        if callbacks and _conversion is not None:
-            bound.arguments["callbacks"] = _conversion(callbacks)
+        if _conversion is not None:   # an empty list too: every worker's list gets what it adds
+            bound.arguments["callbacks"] = _conversion(bound.arguments.get("callbacks") or [])
         original(*bound.args, **bound.kwargs)
 
     return __init__

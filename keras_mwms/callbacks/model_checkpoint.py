@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 
 import keras
 
@@ -22,11 +20,12 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     Same constructor as Keras', so swapping the import is the whole migration. Every worker
     runs the same save decisions — the logs are global under keras_mwms, so `save_best_only`,
     `monitor` and `initial_value_threshold` agree everywhere and `self.best` is identical on
-    all workers — but only the chief's file survives: the chief writes to a temporary file in
-    the target directory and renames it into place, so a crash never leaves a half-written
-    checkpoint; the other workers run the same save into a private scratch directory that is
-    deleted at once (saving reads variables, which can be a collective), so nothing of theirs
-    appears next to the chief's file.
+    all workers — but only the chief writes: to a temporary file in the target directory,
+    renamed into place, so a crash never leaves a half-written checkpoint. Saving enters no
+    collective (the chief reads its own copy of the mirrored variables), so the callback may
+    also be given to the chief alone, as Horovod scripts do
+    (`callbacks = [checkpoint] if is_chief else []`); that the workers agree is checked where
+    every worker is, at the end of `fit`.
 
     Example:
 
@@ -58,32 +57,23 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
                 "Please specify a non-directory filepath for ModelCheckpoint. Filepath used is an "
                 f"existing directory: {filepath}"
             )
-        coordination.sync_model_state(self.model)
-        coordination.check_workers_agree(self.model, f"ModelCheckpoint at epoch {epoch + 1}")
-        if coordination.is_chief():
-            suffix = ".weights.h5" if filepath.endswith(".weights.h5") else os.path.splitext(filepath)[1]
-            try:
-                with io.atomic_path(filepath, suffix) as temporary:
-                    self._write(temporary)
-            except OSError as error:
-                # The engine's error names the temporary file; say which checkpoint failed.
-                raise OSError(
-                    error.errno,
-                    f"ModelCheckpoint could not save {filepath}: {error}. Nothing was written "
-                    "there (the previous file, if any, is intact). Check that the chief can write "
-                    "this directory and has free space.",
-                ) from error
-            if self.verbose > 0:
-                logger.info(f"Epoch {epoch + 1}: finished saving model to {filepath}")
+        if not coordination.is_chief():
             return
-        # Non-chief workers save too, into a private scratch directory that is deleted at once:
-        # reading a variable may be a collective on some backends (e.g. JAX arrays sharded
-        # across processes), so every worker must run the same save.
-        scratch = tempfile.mkdtemp(prefix="keras_mwms-checkpoint-")
+        coordination.sync_model_state(self.model)
+        suffix = ".weights.h5" if filepath.endswith(".weights.h5") else os.path.splitext(filepath)[1]
         try:
-            self._write(os.path.join(scratch, os.path.basename(filepath)))
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+            with io.atomic_path(filepath, suffix) as temporary:
+                self._write(temporary)
+        except OSError as error:
+            # The engine's error names the temporary file; say which checkpoint failed.
+            raise OSError(
+                error.errno,
+                f"ModelCheckpoint could not save {filepath}: {error}. Nothing was written "
+                "there (the previous file, if any, is intact). Check that the chief can write "
+                "this directory and has free space.",
+            ) from error
+        if self.verbose > 0:
+            logger.info(f"Epoch {epoch + 1}: finished saving model to {filepath}")
 
     def _write(self, path: str) -> None:
         if self.save_weights_only:

@@ -394,8 +394,18 @@ def variant_keras_callbacks():
     """Keras' own ModelCheckpoint (best-only `.keras`; per-epoch `.weights.h5` by a user's
     subclass), CSVLogger and TensorBoard, every worker given the same paths. The chief dumps
     what the checkpoints hold; the test compares the files with plain Keras'."""
+    return _file_writing_callbacks("keras_callbacks", chief_only=False)
+
+
+def variant_chief_only_callbacks():
+    """`variant_keras_callbacks`' callbacks given to the chief alone, as Horovod scripts do
+    (`callbacks = [...] if is_chief else []`): the other workers' lists are empty."""
+    return _file_writing_callbacks("chief_only_callbacks", chief_only=True)
+
+
+def _file_writing_callbacks(name: str, chief_only: bool):
     x, y = regression()
-    folder = os.path.join(arguments.out, "keras_callbacks", "files")
+    folder = os.path.join(arguments.out, name, "files")
     with scope():
         model = mlp()
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
@@ -405,10 +415,13 @@ def variant_keras_callbacks():
     csv_logger = keras.callbacks.CSVLogger(os.path.join(folder, "log.csv"))
     board = keras.callbacks.TensorBoard(os.path.join(folder, "logs"))
     user_objects = [best, every, csv_logger, board]
-    history = fit_arrays(model, x, y, epochs=3, validation_split=0.25, callbacks=user_objects)
-    results = {"history": history, "best": float(best.best), "epochs_seen": every.epochs_seen,
-               "classes": [f"{type(c).__module__}.{type(c).__qualname__}" for c in user_objects],
-               "log_dir": os.path.relpath(board.log_dir, folder)}
+    given = user_objects if IS_CHIEF or not chief_only else []
+    history = fit_arrays(model, x, y, epochs=3, validation_split=0.25, callbacks=given)
+    results = {"history": history}
+    if given:
+        results.update({"best": float(best.best), "epochs_seen": every.epochs_seen,
+                        "classes": [f"{type(c).__module__}.{type(c).__qualname__}" for c in user_objects],
+                        "log_dir": os.path.relpath(board.log_dir, folder)})
     if IS_CHIEF:
         checkpoints = {"best.keras": keras.models.load_model(os.path.join(folder, "best.keras"))}
         for epoch in range(1, 4):
@@ -676,8 +689,9 @@ def variant_batchnorm_transfer_learning():
 
 
 class _NudgeOnWorker1(keras.callbacks.Callback):
-    """Worker 1 alone adds 1e-3 to the BatchNormalization moving mean at `hook`; every worker
-    reads and assigns (worker 0 its own value), so a collective a read may be stays paired."""
+    """Worker 1 alone adds 1e-3 to the BatchNormalization moving mean at `hook` (`"epoch_end"`:
+    the first epoch's); every worker reads and assigns (worker 0 its own value), so a collective
+    a read may be stays paired."""
 
     def __init__(self, hook: str):
         super().__init__()
@@ -692,23 +706,33 @@ class _NudgeOnWorker1(keras.callbacks.Callback):
         self._variable().assign(self.saved + (1e-3 if INDEX == 1 else 0.0))
 
     def restore(self):
+        """Back to the chief's value (the nudge may have been trained on since)."""
         if self.saved is not None:
-            self._variable().assign(self.saved)
+            own = np.array(keras.ops.convert_to_numpy(self._variable().value))
+            chief = own if strategy is None else _coordination().broadcast_from_chief(own)
+            self._variable().assign(chief)
 
     def on_train_end(self, logs=None):
         if self.hook == "train_end":
             self._nudge()
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.hook == "epoch_end":
+        if self.hook == "epoch_end" and epoch == 0:
             self._nudge()
 
 
+def _coordination():
+    from keras_mwms.callbacks import coordination
+
+    return coordination
+
+
 def variant_one_worker_nudges_state():
-    """The safety net: worker 1 alone changes a moving mean at the end of a fit, then before a
-    ModelCheckpoint save; every worker must raise WorkersDifferError naming it (the plain
-    reference nudges nothing). The nudge is undone after each, so the weights still equal
-    plain Keras'."""
+    """The safety net: worker 1 alone changes a moving mean at the end of a fit, then at the end
+    of a first epoch, after the epoch's check (`keras_mwms.callbacks.agreement`); every worker
+    must raise WorkersDifferError naming it, after the fit and at the next epoch's check before
+    its ModelCheckpoint save (the plain reference nudges nothing). The chief's value is put back
+    after each, so the weights still equal plain Keras'."""
     x, y = regression()
     callbacks = keras.callbacks if strategy is None else keras_mwms_module().callbacks
     checkpoint = os.path.join(arguments.out, "one_worker_nudges_state", f"w{INDEX}.weights.h5")
@@ -717,11 +741,11 @@ def variant_one_worker_nudges_state():
         model = common.mlp(batch_norm=True, synchronized=strategy is not None and BACKEND != "jax")
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     caught = []
-    for hook, extra in (("train_end", []),
-                        ("epoch_end", [callbacks.ModelCheckpoint(checkpoint, save_weights_only=True)])):
+    for hook, epochs, extra in (("train_end", 1, []),
+                                ("epoch_end", 2, [callbacks.ModelCheckpoint(checkpoint, save_weights_only=True)])):
         nudge = _NudgeOnWorker1(hook)
         try:
-            fit_arrays(model, x, y, epochs=1, callbacks=[nudge, *extra])
+            fit_arrays(model, x, y, epochs=epochs, callbacks=[nudge, *extra])
         except RuntimeError as error:
             caught.append({"type": type(error).__name__, "message": str(error),
                            "variable": getattr(error, "variable", None), "workers": getattr(error, "workers", None)})
