@@ -330,6 +330,129 @@ def variant_custom_train_step():
     return model, {"history": history}
 
 
+def _two_optimizer_model_class():
+    """The shape of keras.io's GAN step (`compile(d_optimizer=..., g_optimizer=...)`): two
+    optimizers, each updating its own tower from its own loss, one after the other in one
+    `train_step`; deterministic (no latent noise), so one process's weights are comparable."""
+
+    class TwoOptimizers(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.first = keras.layers.Dense(8, activation="relu")
+            self.second = keras.layers.Dense(1)
+            self.loss_tracker = keras.metrics.Mean(name="loss")
+
+        def call(self, x):
+            return self.second(self.first(x))
+
+        def compile(self, first_optimizer, second_optimizer):
+            super().compile()
+            self.first_optimizer, self.second_optimizer = first_optimizer, second_optimizer
+
+        @property
+        def metrics(self):
+            return [self.loss_tracker]
+
+        def _loss(self, x, y):
+            return keras.ops.mean(keras.ops.square(self(x, training=True) - y))
+
+        def train_step(self, data):
+            x, y = data
+            for optimizer, tower in ((self.second_optimizer, self.second), (self.first_optimizer, self.first)):
+                weights = list(tower.trainable_weights)
+                if BACKEND == "tensorflow":
+                    import tensorflow as tf
+
+                    with tf.GradientTape() as tape:
+                        loss = self._loss(x, y)
+                    optimizer.apply(tape.gradient(loss, weights), weights)
+                else:
+                    import torch
+
+                    self.zero_grad()
+                    loss = self._loss(x, y)
+                    loss.backward()
+                    with torch.no_grad():
+                        optimizer.apply([weight.value.grad for weight in weights], weights)
+            self.loss_tracker.update_state(loss)
+            return {"loss": self.loss_tracker.result()}
+
+    return TwoOptimizers
+
+
+def variant_two_optimizers():
+    """A custom `train_step` with a second optimizer (TensorFlow and torch; a JAX step is
+    stateless: its optimizers' states are the step's to carry). Before: on torch only the
+    model's `optimizer` all-reduced, so the workers drifted apart."""
+    x, y = regression()
+    if BACKEND == "jax":
+        return [], {"skipped": "jax"}
+    with scope():
+        model = _two_optimizer_model_class()()
+        model(x[:1])   # builds both towers
+        model.compile(keras.optimizers.SGD(0.05), keras.optimizers.Adam(0.01))
+        # Built before fit: TensorFlow cannot create their variables inside the traced step.
+        model.first_optimizer.build(model.first.trainable_weights)
+        model.second_optimizer.build(model.second.trainable_weights)
+    history = fit_arrays(model, x, y)
+    return model, {"history": history}
+
+
+def variant_fit_without_targets():
+    """keras.io's VAE shape: `fit(x)` with no `y`, a custom `train_step` that takes `data` as the
+    batch itself (a deterministic autoencoder: no sampling). Before: torch handed the step a
+    one-element list `[x]` when `shuffle=False`, with one worker too ("Arguments target and
+    output must have the same shape")."""
+    x, _ = regression()
+    if BACKEND == "jax":
+        return [], {"skipped": "jax"}
+
+    class AutoEncoder(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.encoder = keras.layers.Dense(4, activation="tanh")
+            self.decoder = keras.layers.Dense(common.NUM_FEATURES)
+            self.loss_tracker = keras.metrics.Mean(name="reconstruction_loss")
+
+        def call(self, inputs):
+            return self.decoder(self.encoder(inputs))
+
+        @property
+        def metrics(self):
+            return [self.loss_tracker]
+
+        def _loss(self, data):
+            return keras.ops.mean(keras.ops.square(self(data, training=True) - data))
+
+        def train_step(self, data):
+            if not hasattr(data, "shape"):
+                raise TypeError(f"train_step got {type(data).__name__}, not the batch itself")
+            weights = list(self.trainable_weights)
+            if BACKEND == "tensorflow":
+                import tensorflow as tf
+
+                with tf.GradientTape() as tape:
+                    loss = self._loss(data)
+                self.optimizer.apply(tape.gradient(loss, weights), weights)
+            else:
+                import torch
+
+                self.zero_grad()
+                loss = self._loss(data)
+                loss.backward()
+                with torch.no_grad():
+                    self.optimizer.apply([weight.value.grad for weight in weights], weights)
+            self.loss_tracker.update_state(loss)
+            return {"reconstruction_loss": self.loss_tracker.result()}
+
+    with scope():
+        model = AutoEncoder()
+        model(x[:1])
+        model.compile(optimizer=keras.optimizers.Adam(0.01))
+    history = model.fit(x, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history
+    return model, {"history": history}
+
+
 def _batches_pydataset(x, y, shuffle_kwargs=None, batch=BATCH):
     class Batches(keras.utils.PyDataset):
         def __init__(self):

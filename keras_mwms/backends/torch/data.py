@@ -6,7 +6,7 @@ workers run the same number of steps and pair their collectives, whatever the da
 
 | input | how it is sharded |
 |---|---|
-| numpy arrays / torch tensors | a `PyDataset` of row indices; with `shuffle=True`, Keras' own array loader (torch's `RandomSampler` on torch's global RNG, as plain Keras), each global batch sliced |
+| numpy arrays / torch tensors | a `PyDataset` of row indices; with `shuffle=True` or no `y`, Keras' own array loader (torch's `RandomSampler` on torch's global RNG, as plain Keras), each global batch sliced |
 | `tf.data.Dataset` | `dataset.scan` keeps the worker's slice (AutoShardPolicy DATA; OFF: untouched); the user's dataset is never iterated (a new iterator of a reshuffling dataset would advance its order) |
 | `keras.utils.PyDataset` | a wrapping `PyDataset` slicing every item; `shuffle=True` shuffles the batch order as Keras does, from the chief's Python `random` state |
 | `torch.utils.data.DataLoader` | a wrapping loader slicing every batch; a shuffling sampler draws from torch's global RNG, as plain torch does |
@@ -295,7 +295,10 @@ def shard_global_batches(data: Any, backend: TorchEngine, options: Any = None,
 def _shard_arrays_or_data(backend, x, y, sample_weight, batch_size, shuffle):
     if fit_call.is_arrays(x, y, sample_weight):
         arrays = _to_numpy((x, y, sample_weight))
-        if shuffle:
+        # x alone goes through Keras' own loader too, which hands a step the batch itself, as
+        # one process does: a PyDataset's batch is always a tuple, so keras.io's VAE (`fit(x)`,
+        # a custom train_step using `data` as the batch) got the list `[x]`.
+        if shuffle or (y is None and sample_weight is None):
             return _make_shuffled_arrays(backend, arrays, batch_size or DEFAULT_BATCH_SIZE, shuffle)
         return _make_sharded_arrays(backend, arrays, batch_size or DEFAULT_BATCH_SIZE)
     return shard_global_batches(x, backend, aligned=True)

@@ -38,16 +38,41 @@ if TYPE_CHECKING:
 
 # -- at fit / evaluate ----------------------------------------------------------------------
 def prepare_fit(model, backend: TorchEngine) -> None:
-    """Before `fit` builds its step: the optimizer learns its model, the chief's state is sent."""
+    """Before `fit` builds its step: the optimizers learn their model, the chief's state is sent."""
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and model_of(optimizer) is None:
-        STATE.of(optimizer).model = weakref.ref(model)
+    for owned in owned_optimizers(model):
+        if model_of(owned) is None:
+            STATE.of(owned).model = weakref.ref(model)
     # A window of gradient accumulation left open by the last fit goes on as in one process.
     accumulation.settle_window(backend, optimizer, lambda: broadcast_state(model, backend))
     # Layers may have changed since the last fit (trainable flags): re-collect.
     state = STATE.of(model)
     state.batch_norm_statistics = state.in_graph_wire_bytes = state.one_graph_traceable = None
     backend.rows.begin_fit()     # a LossScaleOptimizer's unit: this fit's first global rows
+
+
+def owned_optimizers(model) -> list:
+    """The optimizers `model` holds: its `optimizer`, and any other an attribute holds (keras.io's
+    GAN recipe: `compile(d_optimizer=..., g_optimizer=...)` keeps them as `self.d_optimizer`, ...),
+    so that every `apply` of a custom `train_step` all-reduces its gradients.
+
+    Example:
+
+    >>> import keras
+    >>> class Model:
+    ...     pass
+    >>> model = Model()
+    >>> model.optimizer, model.d_optimizer, model.rate = keras.optimizers.SGD(), keras.optimizers.Adam(), 0.1
+    >>> [type(optimizer).__name__ for optimizer in owned_optimizers(model)]
+    ['SGD', 'Adam']
+    """
+    from keras.optimizers import Optimizer
+
+    found = {}
+    for value in [getattr(model, "optimizer", None), *vars(model).values()]:
+        if isinstance(value, Optimizer):
+            found.setdefault(id(value), value)
+    return list(found.values())
 
 
 def prepare_evaluate(model, backend: TorchEngine) -> None:
