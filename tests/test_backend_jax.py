@@ -203,5 +203,17 @@ def test_a_chief_working_on_after_the_last_collective_ends_cleanly(tmp_path):
     assert "worker 1 finished its script and waits for worker 0 to finish its own" in log, log
 
 
+def test_a_script_that_catches_our_error_ends_with_its_own_exit_status(tmp_path):
+    """Every worker's last `fit` raises (targets of another length); the script catches it and
+    calls `sys.exit(7)`: the job ends with status 7 on every worker, as on TensorFlow and torch
+    (before: 1, each worker leaving without JAX's shutdown barrier as if the error were fatal)."""
+    gang = run_gang(python_worker("jax_leaving.py", str(tmp_path), "0", "7"), 2, GANG_TIMEOUT,
+                    env=worker_env("jax", lean=True))
+    log = gang.output[-5000:]
+    assert gang.returncode == 7, log
+    assert all("caught" in load_result(str(tmp_path), index) for index in (0, 1)), log
+    assert "exits without JAX's shutdown barrier" not in log, log
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-x", "-q"]))

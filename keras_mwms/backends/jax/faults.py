@@ -47,6 +47,10 @@ LEAVING_KEY = "keras_mwms/leaving/"
 IDENTITY_KEY = "keras_mwms/identity/"   # + index: each worker's host and pid, set at start-up
 DONE, FAILED = "done", "failed"
 LEAVING_NOTICE_SECONDS = 30.0
+# A worker whose fit raised but whose script went on to end by itself (it caught the error,
+# maybe `sys.exit(3)`): this long for every peer to end its script too, so that all leave
+# together with the script's own exit status; a peer still at work after it is left at once.
+RECOVERED_LEAVING_SECONDS = 10.0
 _LOST_PEER_WORDS = ("Gloo", "gloo", "Connection reset", "connection", "Connection closed", "UNAVAILABLE",
                     "heartbeat", "Socket", "socket", "DEADLINE_EXCEEDED", "Broken pipe", "peer")
 
@@ -176,11 +180,14 @@ class JaxFaults(Faults):
         """Interpreter exit hook: leaves without JAX's shutdown barrier after a lost peer or a
         failure here; otherwise waits until every worker has finished its script
         (`leave_together`), so that barrier never times out on a worker still at work."""
-        if not self.lost and self.failed is not None:
-            # fit/evaluate/predict raised here (e.g. in a callback) and the caller did not recover:
-            # JAX's shutdown barrier would hold this exit ~20 s while the peers wait in their next
-            # collective and then abort without a name. Leaving now closes the gloo connections,
-            # so every peer raises WorkerLostError naming this worker at once.
+        if not self.lost and self.failed is not None and (
+                _ended_by_uncaught_exception() or not self._all_leave_within(RECOVERED_LEAVING_SECONDS)):
+            # fit/evaluate/predict raised here (e.g. in a callback) and the script died of it, or
+            # went on while its peers did not end: JAX's shutdown barrier would hold this exit
+            # ~20 s while the peers wait in their next collective and then abort without a name.
+            # Leaving now closes the gloo connections, so every peer raises WorkerLostError
+            # naming this worker at once. (A script that caught the error and ended, its peers
+            # too, leaves below with its own exit status: `sys.exit(3)` stays 3.)
             logger.error(f"keras_mwms: worker {self.backend.worker_index} exits without JAX's shutdown "
                          f"barrier after {self.failed}")
             self._announce_leaving(FAILED)
@@ -211,8 +218,14 @@ class JaxFaults(Faults):
             self.left = self._wait_for_peers_to_leave()
         return self.left
 
-    def _wait_for_peers_to_leave(self) -> bool:
-        """`leave_together`'s wait, done once."""
+    def _all_leave_within(self, seconds: float) -> bool:
+        """`leave_together`, bounded: True when every peer ended its script within `seconds`."""
+        if self.left is None:
+            self.left = self._wait_for_peers_to_leave(deadline=time.monotonic() + seconds)
+        return bool(self.left)
+
+    def _wait_for_peers_to_leave(self, deadline: float | None = None) -> bool | None:
+        """`leave_together`'s wait, done once; None when `deadline` passed first."""
         client = coordination_client()
         if not self.peers or self.lost or client is None:   # None: jax.distributed shut down already
             return True
@@ -237,6 +250,8 @@ class JaxFaults(Faults):
                     logger.error(f"keras_mwms: worker {rank} ended without leaving JAX's cluster; worker "
                                  f"{me} leaves without JAX's shutdown barrier")
                     return False
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
                 if time.monotonic() >= notice:
                     logger.warning(f"keras_mwms: worker {me} finished its script and waits for worker "
                                    f"{rank} to finish its own ({time.monotonic() - started:.0f} s so far); "
@@ -248,6 +263,12 @@ class JaxFaults(Faults):
     def _announce_leaving(self, value: str) -> None:
         bounded(lambda: coordination_client().key_value_set(
             f"{LEAVING_KEY}{self.backend.worker_index}", value, allow_overwrite=True), 2.0)
+
+
+def _ended_by_uncaught_exception() -> bool:
+    """Whether the script ended with an exception it did not catch (Python printed it and set
+    `sys.last_value` before the exit hooks; `sys.exit(n)` sets nothing)."""
+    return getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
 
 
 def _exit(code: int) -> None:
