@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from keras_mwms import active, devices, diagnostics, settings
-from keras_mwms.backends import backend_class, callback_list, model_scope, policy, resume
+from keras_mwms.backends import backend_class, callback_list, forked_children, model_scope, policy, resume
 from keras_mwms.backends.keras_api.usability import require_usable
 from keras_mwms.communication import CommunicationOptions
 from keras_mwms.compat_v1 import CompatV1Methods
@@ -186,6 +186,7 @@ class MultiWorkerMirroredStrategy(CompatV1Methods):
         split = threads.plan(self._resolver.worker_addresses, self._resolver.worker_index)
         if split.threads and self._backend.use_compute_threads(split.threads) and self._resolver.is_chief:
             logger.info(split.announcement(), worker=self._resolver)
+        forked_children.install()   # before the runtime's own SIGTERM handler exists
         self._backend.join()
         self._closed = False
         active.begin(self, self._backend, self._patch)

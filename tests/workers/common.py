@@ -47,6 +47,31 @@ def regression_data(rows: int = 256, seed: int = 7):
     return x, y
 
 
+def fit_on_a_process_pool(strategy) -> None:
+    """One epoch on a `keras.utils.PyDataset(workers=2, use_multiprocessing=True)`: its pool's
+    forked children must let the worker exit once the script ends (before, on TensorFlow and JAX,
+    they kept the runtime's SIGTERM handler, ignored the pool's terminate, and the worker waited
+    for them forever: `keras_mwms.backends.forked_children`)."""
+    import keras
+
+    x, y = regression_data(rows=64)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((NUM_FEATURES,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+
+    class Batches(keras.utils.PyDataset):
+        def __init__(self):
+            super().__init__(workers=2, use_multiprocessing=True)
+
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, index):
+            return x[16 * index:16 * index + 16], y[16 * index:16 * index + 16]
+
+    model.fit(Batches(), epochs=1, verbose=0)
+
+
 def classification_data(rows: int = 256, seed: int = 11):
     """Deterministic classification data (int labels in 0..NUM_CLASSES-1)."""
     import numpy as np

@@ -8,7 +8,8 @@ barrier gives the workers `SHUTDOWN_TIMEOUT_SECONDS` to arrive; before `JaxFault
 a longer chief was aborted mid-work (SIGABRT). Writes `OUT/w<index>.json` with `completed`
 once the script's work is done (the chief: after its extra work).
 
-With EXIT_CODE, every worker's last call is a `fit` that raises (targets of another length), which
+With EXIT_CODE, every worker first fits on a PyDataset with a process pool (whose children must
+let the worker exit: `common.fit_on_a_process_pool`); then its last call is a `fit` that raises (targets of another length), which
 the script catches before it ends with `sys.exit(EXIT_CODE)`: the job's status must be the
 script's own (before: 1, "exits without JAX's shutdown barrier").
 """
@@ -39,6 +40,7 @@ def main(out: str, seconds: float, exit_code: int | None = None) -> None:
         print(f"chief: working alone for {seconds} s after the last collective", flush=True)
         time.sleep(seconds)
     if exit_code is not None:
+        common.fit_on_a_process_pool(strategy)
         try:
             model.fit(np.ones((32, 4)), np.ones((31, 1)), batch_size=8, epochs=1, verbose=0)
         except ValueError as error:

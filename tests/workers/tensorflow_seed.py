@@ -5,7 +5,8 @@
 2. the Keras example: Dense(2) on 5 features, `distribute_datasets_from_function`,
    `model.fit(dist_dataset)`;
 3. `barrier`, `broadcast_object`, nested `reduce`, the steps_per_execution error, and the
-   TF_CONFIG-changed warning.
+   TF_CONFIG-changed warning;
+4. a fit on a PyDataset with a process pool, whose children must let the worker exit.
 
 Writes `<out>/w<index>.npz` (the custom loop's weights) and `<out>/w<index>.json`.
 """
@@ -110,5 +111,6 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     seed_model.fit(dist_dataset, epochs=1, steps_per_epoch=1, verbose=0)
 results["tf_config_warning"] = [str(w.message) for w in caught if "TF_CONFIG" in str(w.message)]
+common.fit_on_a_process_pool(strategy)
 common.save_result(out, index, model, **results)
 common.log("done")
