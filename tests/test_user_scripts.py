@@ -59,7 +59,7 @@ KNOWN_LOG_DIFFERENCES = {("torch", "custom_train_step"): {"loss"}}
 # Variants run a second time on a gang of 3 workers (a global batch of 16 splits 6/5/5).
 THREE_WORKER_VARIANTS = ["sgd_arrays", "generator_then_tfdata", "on_batch_loops", "batchnorm_smallest",
                          "batchnorm_default", "batchnorm_per_worker", "batchnorm_transfer_learning",
-                         "chief_only_callbacks"]
+                         "chief_only_callbacks", "position_embedding_adam"]
 BACKENDS = [pytest.param(name, marks=getattr(pytest.mark, name)) for name in ("tensorflow", "jax", "torch")]
 
 
