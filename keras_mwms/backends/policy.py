@@ -35,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import faulthandler
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -203,23 +204,25 @@ def metric_reduction(metric: Any, variable: Any) -> str:
     """How a metric state variable combines across workers: "sum", "max", "min" or "first".
 
     A metric may declare `keras_mwms_reductions = {"variable_name": "max"}`; otherwise
-    variables named max/min use max/min, `only_first_replica` ones come from the chief and
-    everything else (totals, counts, confusion matrices) is summed.
+    variables whose name has the word max/maximum or min/minimum (`max`, `running_max`,
+    `min_value`) use max/min, `only_first_replica` ones come from the chief and everything else
+    (totals, counts, confusion matrices) is summed.
 
     Example:
 
     >>> from types import SimpleNamespace as Object
     >>> metric = Object(keras_mwms_reductions={"peak": "max"})
-    >>> [metric_reduction(metric, Object(name=name)) for name in ("peak", "total", "min")]
-    ['max', 'sum', 'min']
+    >>> [metric_reduction(metric, Object(name=name)) for name in ("peak", "total", "min", "running_max")]
+    ['max', 'sum', 'min', 'max']
     """
     declared = getattr(metric, "keras_mwms_reductions", {}) or {}
     name = variable.name.rsplit("/", 1)[-1]
     if name in declared:
         return declared[name]
-    if name.lower() in _MAX_NAMES:
+    words = set(re.split(r"[^a-z0-9]+", name.lower()))
+    if words & set(_MAX_NAMES):
         return "max"
-    if name.lower() in _MIN_NAMES:
+    if words & set(_MIN_NAMES):
         return "min"
     if getattr(variable, "aggregation", "sum") == "only_first_replica":
         return "first"

@@ -668,6 +668,35 @@ def variant_position_embedding_adam():
     return model, {"history": fit_arrays(model, tokens, labels)}
 
 
+def variant_custom_max_metric():
+    """A registered custom `Metric` whose state is a running maximum (its variable named as a
+    user names it, `running_max`), compiled with the model: its logs must be one process's
+    maximum on every worker (before: TensorFlow and JAX logged the sum of the workers' maxima,
+    torch each worker's own)."""
+    x, y = regression()
+
+    @keras.saving.register_keras_serializable(package="user_scripts")
+    class LargestError(keras.metrics.Metric):
+        def __init__(self, name="largest_error", **kwargs):
+            super().__init__(name=name, **kwargs)
+            self.running_max = self.add_variable(shape=(), initializer="zeros", name="running_max")
+
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            error = keras.ops.max(keras.ops.abs(keras.ops.cast(y_true, "float32") - y_pred))
+            self.running_max.assign(keras.ops.maximum(self.running_max, error))
+
+        def result(self):
+            # A new tensor: Keras' torch fit reads a returned variable lazily, after validation.
+            return self.running_max * 1.0
+
+    with scope():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=[LargestError()])
+    history = fit_arrays(model, x, y, validation_split=0.25)
+    evaluated = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    return model, {"history": history, "evaluate": evaluated}
+
+
 def variant_weight_decay():
     x, y = regression()
     with scope():

@@ -51,7 +51,23 @@ def local_metric_results(model) -> dict:
                 for metric in model.metrics}
 
 
+def materialized(logs):
+    """`logs` with every metric state variable a result returned read now, while `GlobalMetrics`
+    holds the global state (a `result()` may return the variable itself)."""
+    from keras import tree
+
+    if logs is None:
+        return logs
+    with torch.no_grad():
+        return tree.map_structure(_detached, logs)
+
+
 def _detached(value):
+    # A metric's `result()` may return its state variable itself (`return self.running_max`):
+    # copy its value now, or the "result" reads whatever the variable holds later (the local
+    # state again once `GlobalMetrics` has put it back).
+    if not torch.is_tensor(value) and torch.is_tensor(getattr(value, "value", None)):
+        value = value.value
     return value.detach().clone() if torch.is_tensor(value) else value
 
 

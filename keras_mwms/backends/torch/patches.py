@@ -104,7 +104,7 @@ def _global_metric_results(original: Callable) -> Callable:
         if logs is not None and logs is getattr(state, "global_logs", None):
             return logs    # a custom step's logs, made global when the step ended
         with metrics.GlobalMetrics(self, backend, summed):
-            return original(self, *args, **kwargs)
+            return metrics.materialized(original(self, *args, **kwargs))
 
     return _get_metrics_result_or_logs
 

@@ -293,7 +293,7 @@ def _distributed_train_function(model, backend: TorchEngine, train_function):
             if summed is not None:   # a diagnostic count (`state.diagnostics`)
                 state.metric_rides = getattr(state, "metric_rides", 0) + 1
             with metrics.GlobalMetrics(model, backend, summed):
-                return model.get_metrics_result()
+                return metrics.materialized(model.get_metrics_result())
         return metrics.global_logs(model, backend, logs, rows, local_results)
 
     return distributed_train_function
