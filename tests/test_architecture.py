@@ -570,6 +570,7 @@ PROCESS_LIFETIME = {
     "keras_mwms.backends.torch.metrics._warned_custom_logs": "the custom-logs warning is said once per process",
     "keras_mwms.backends.torch.recompile_limit.WATCH": "a logging filter on TorchDynamo's logger, installed once per process; it warns once, and only inside a strategy's train step",
     "keras_mwms.backends.torch.recompile_limit._warned": "the recompile-limit warning is said once per process",
+    "keras_mwms.backends.forked_children._installed": "os.register_at_fork has no unregister: the after-fork hook is registered once per process",
     "keras_mwms.launch._GIVEN": "ports this process handed out, kept 15 minutes so two gangs started at once never share one; a strategy's close() must not forget them",
     "keras_mwms.devices._assignments": "the GPU assignment, fixed once the process saw its GPUs",
     "keras_mwms.resume.resumable_inputs._stream_class": "a class made once, when Keras is first needed",
