@@ -138,9 +138,10 @@ def test_gradients_are_all_reduced_once_per_optimizer_step(runs, name):
 
 
 def _set_up_collectives(name: str) -> int:
-    """The bound on collectives that are not per micro-step: fit's own set-up, and one per fit
-    for the end-of-fit check that the workers agree (`keras_mwms.backends.consistency`)."""
-    return 10 + FITS.get(name, 1)
+    """The bound on collectives that are not per micro-step: fit's own set-up, and two per fit:
+    the end-of-fit check that the workers agree (`keras_mwms.backends.consistency`) and the
+    callbacks' "does any worker save checkpoints?" (`keras_mwms.callbacks.agreement`)."""
+    return 10 + 2 * FITS.get(name, 1)
 
 
 @pytest.mark.tensorflow
