@@ -22,8 +22,9 @@ weights. Prints the compatibility table; exits 1 if a cell failed (unless `--rep
     python scripts/version_smoke.py nightly --callbacks --report-only   # `make keras-nightly`
 
 `nightly` installs the newest `keras-nightly` the index serves (outside the supported range:
-run with `KERAS_MWMS_ALLOW_UNTESTED_KERAS=1`); `installed` uses the environment's own Keras (the suite runs that cell in its shared gangs,
-`tests/test_versions.py`, so `make test` leaves it out);
+run with `KERAS_MWMS_ALLOW_UNTESTED_KERAS=1`); `installed` uses the environment's own Keras
+(the suite runs that cell in its shared gangs, `tests/test_versions.py`, so `make test`
+leaves it out);
 `--callbacks` also runs `tests/test_callbacks.py` against the release.
 """
 

@@ -6,9 +6,10 @@ the coordination service). A child forked from the worker — the pool of a
 user's `multiprocessing.Pool` — inherits that handler but not the runtime's threads, so it
 ignores SIGTERM: `Pool.terminate()` then waits for it forever, and the worker never exits after
 its script ends (the launcher's SIGTERM does not end the children either; its SIGKILL of the
-worker leaves them orphaned). Once a strategy was created in the process, each forked child whose SIGTERM handler
-is not Python's (`signal.getsignal` says `None` for a handler installed by C code) gets the
-default action back; a handler the user installed in Python is left as it is.
+worker leaves them orphaned). Once a strategy was created in the process, each forked child
+whose SIGTERM handler was not installed from Python gets the default action back (Python does
+not see a handler installed by C code: `signal.getsignal` still says `SIG_DFL`); a handler the
+user installed in Python, or `SIG_IGN`, is left as it is.
 
 Example (a process that never forked a worker has nothing to undo):
 

@@ -25,7 +25,8 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     collective (the chief reads its own copy of the mirrored variables), so the callback may
     also be given to the chief alone, as Horovod scripts do
     (`callbacks = [checkpoint] if is_chief else []`); that the workers agree is checked where
-    every worker is, at the end of `fit`.
+    every worker is: at every epoch's end, before any callback (`keras_mwms.callbacks.agreement`),
+    and at the end of `fit`.
 
     Example:
 

@@ -159,9 +159,8 @@ def merged_repeated_slices(slices, replicas: int):
         return tf.logical_and(tf.reduce_all(tf.equal(blocks, blocks[:1])),
                               tf.equal(tf.size(tf.unique(blocks[0]).y), block))
 
-    merge = tf.logical_and(tf.logical_and(tf.equal(count % replicas, 0), block > 0),
-                           tf.cond(tf.logical_and(tf.equal(count % replicas, 0), block > 0),
-                                   repeated_per_replica, lambda: tf.constant(False)))
+    whole_blocks = tf.logical_and(tf.equal(count % replicas, 0), block > 0)
+    merge = tf.cond(whole_blocks, repeated_per_replica, lambda: tf.constant(False))
 
     def summed():
         parts = tf.reshape(values, tf.concat([[replicas, block], tf.shape(values)[1:]], 0))

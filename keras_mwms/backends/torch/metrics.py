@@ -44,11 +44,7 @@ def metric_variables(model) -> list:
 
 def local_metric_results(model) -> dict:
     """`{metric.name: metric.result()}` of this worker's metric states, detached copies."""
-    from keras import tree
-
-    with torch.no_grad():
-        return {metric.name: tree.map_structure(_detached, metric.result())
-                for metric in model.metrics}
+    return {metric.name: materialized(metric.result()) for metric in model.metrics}
 
 
 def materialized(logs):
