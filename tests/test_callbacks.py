@@ -1,7 +1,7 @@
 """keras_mwms.callbacks end to end: real workers, real kills, the real launcher's restarts.
 
 For each backend one module-scoped set of runs of `tests/workers/resume_scenario.py` (every
-backend's runs and lone scripts three at a time, `tests.multiworker.concurrently`):
+backend's runs, lone scripts and TensorBoard gang three at a time, `tests.multiworker.concurrently`):
 an uninterrupted reference (with ModelCheckpoint and TensorBoard), a worker SIGKILLed
 mid-epoch with `save_freq="epoch"` (under Keras' own `keras.callbacks.BackupAndRestore`, which
 keras_mwms runs as its own), one SIGKILLed mid-epoch with `save_freq=4`, and the chief
@@ -45,6 +45,8 @@ FAULTS = {
 }
 # Single-process scripts (no TF_CONFIG), run in the same pool as the launcher runs.
 LONE_SCRIPTS = ("callbacks_single.py", "backup_corruption.py")
+# A gang of 2 started without the launcher, each worker with its own TMPDIR; in the same pool.
+TENSORBOARD_GANG = "tensorboard_scratch.py"
 
 
 def epochs_logged(out_dir, worker):
@@ -55,18 +57,22 @@ def epochs_logged(out_dir, worker):
 
 @pytest.fixture(scope="module")
 def all_runs(request, tmp_path_factory):
-    """Every selected backend's five launcher runs and its lone scripts (`LONE_SCRIPTS`), three
-    at a time across backends: a restart's stop and start, and a lone process, leave a core idle.
-    Keyed (backend, fault name or script)."""
+    """Every selected backend's five launcher runs, its lone scripts (`LONE_SCRIPTS`) and its
+    TensorBoard gang, three at a time across backends: a restart's stop and start, and a lone
+    process, leave a core idle. Keyed (backend, fault name or script)."""
     fault_jobs = [(backend, name) for backend in selected_params(request, "runs") for name in FAULTS]
-    lone_jobs = [(backend, script) for backend in selected_params(request, "backend") for script in LONE_SCRIPTS]
-    roots = {backend: tmp_path_factory.mktemp(f"callbacks-{backend}") for backend, _ in fault_jobs}
+    lone_jobs = [(backend, script) for backend in selected_params(request, "backend")
+                 for script in (*LONE_SCRIPTS, TENSORBOARD_GANG)]
+    roots = {backend: tmp_path_factory.mktemp(f"callbacks-{backend}")
+             for backend in dict.fromkeys(backend for backend, _ in fault_jobs + lone_jobs)}
     seconds = {}
 
     def run(job):
         backend, name = job
         if name in LONE_SCRIPTS:   # no TF_CONFIG; checked by its own test (`result_lines`)
             return run_processes([Spawn(python_worker(name), worker_env(backend, lean=True))], timeout=300)
+        if name == TENSORBOARD_GANG:
+            return run_tensorboard_gang(backend, roots[backend] / "tensorboard")
         out, backup = roots[backend] / name, roots[backend] / f"{name}-backup"
         started = time.monotonic()
         result = run_launcher(
@@ -205,14 +211,21 @@ def test_sigterm_on_one_worker_backs_up_and_stops_every_worker(runs):
             result.output[-6000:]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_tensorboard_leaves_no_scratch_directory_on_any_worker(backend, tmp_path):
-    temp_dirs = [tmp_path / f"tmp_w{index}" for index in range(2)]
+def run_tensorboard_gang(backend, folder):
+    """2 workers fit under keras_mwms' TensorBoard, each with its own TMPDIR, then one is
+    interrupted on purpose; returns (GangResult, the two TMPDIRs)."""
+    temp_dirs = [folder / f"tmp_w{index}" for index in range(2)]
     for temp_dir in temp_dirs:
-        temp_dir.mkdir()
-    result = run_gang(python_worker("tensorboard_scratch.py", "--log-dir", str(tmp_path / "logs")),
+        temp_dir.mkdir(parents=True)
+    result = run_gang(python_worker(TENSORBOARD_GANG, "--log-dir", str(folder / "logs")),
                       workers=2, timeout=300, env=worker_env(backend, lean=True), grace_period=60,
                       per_worker_env={index: {"TMPDIR": str(temp_dirs[index])} for index in range(2)})
+    return result, temp_dirs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tensorboard_leaves_no_scratch_directory_on_any_worker(backend, all_runs):
+    result, temp_dirs = all_runs[(backend, TENSORBOARD_GANG)]
     for index in range(2):
         assert any("scratch after fit: []" in line for line in result.lines(index)), result.output[-6000:]
     assert result.returncode == 1 and "interrupted on purpose" in result.output, result.output[-6000:]
