@@ -72,7 +72,7 @@ OPEN_LOG_DIFFERENCES = {
 # Variants run a second time on a gang of 3 workers (a global batch of 16 splits 6/5/5).
 THREE_WORKER_VARIANTS = ["sgd_arrays", "generator_then_tfdata", "on_batch_loops", "batchnorm_smallest",
                          "batchnorm_default", "batchnorm_per_worker", "batchnorm_transfer_learning",
-                         "chief_only_callbacks", "position_embedding_adam"]
+                         "chief_only_callbacks", "position_embedding_adam", "summed_loss"]
 BACKENDS = [pytest.param(name, marks=getattr(pytest.mark, name)) for name in ("tensorflow", "jax", "torch")]
 
 
@@ -233,6 +233,27 @@ def test_predictions_and_evaluation_on_uneven_sizes_equal_plain_keras(runs):
     np.testing.assert_allclose(result["predict"], reference["predict"], atol=1e-5)
     for key, value in reference["evaluate"].items():
         assert abs(result["evaluate"][key] - value) <= 1e-5, (key, result["evaluate"], reference["evaluate"])
+
+
+@pytest.mark.slow
+def test_a_loss_reduced_by_sum_is_refused_on_every_worker_with_the_fix(runs, three_workers):
+    """`reduction="sum"` / `None` / a summing `Loss` subclass: fit and evaluate stop on every
+    worker of 2 and of 3, naming the loss and the fix (the fix's training is compared with one
+    process by `test_variant_matches_one_process_of_plain_keras`); one process and one worker
+    train them."""
+    for gang_runs, workers in ((runs, 2), (three_workers, 3)):
+        for worker in range(workers):
+            refused = gang_runs.result("summed_loss", worker)["refused"]
+            assert set(refused) == {"sum", "none", "subclass"}, refused
+            for form, message in refused.items():
+                assert message and f"on {workers} workers with a loss reduced by sum" in message, (form, message)
+                assert "multiply an SGD learning rate by the global batch size" in message, message
+            assert "MeanSquaredError(reduction=None)" in refused["none"]
+            assert "SumOfSquares(reduction='sum')" in refused["subclass"]
+    plain, single = runs.reference("summed_loss")["refused"], runs.single("summed_loss")["refused"]
+    assert plain["sum"] is None and plain["subclass"] is None, plain
+    # reduction=None: plain Keras trains it on TensorFlow; torch and JAX need a scalar loss.
+    assert single == plain and "keras_mwms" not in str(plain["none"]), (single, plain)
 
 
 @pytest.mark.slow

@@ -49,7 +49,7 @@ from collections.abc import Callable
 from typing import Any
 
 from keras_mwms import active
-from keras_mwms.backends import model_scope, policy
+from keras_mwms.backends import loss_reduction, model_scope, policy
 from keras_mwms.backends.keras_api import attributes, internals
 from keras_mwms.data import first_batch_digest
 from keras_mwms.resume import resumable_inputs
@@ -161,6 +161,8 @@ def run(call: FitCall, hooks: FitHooks) -> Any:
     backend, model, arguments = call.backend, call.model, call.arguments
     if call.method in TRAINING:
         model_scope.require_created_in_scope(backend, model, call.method)
+    if call.method not in ON_THIS_WORKER and backend.num_workers > 1 and backend.uses(model):
+        loss_reduction.require_mean_reduced(backend, model, call.where)
     backend.check_tf_config_unchanged(stacklevel=3)
     if call.in_fit:
         return call.keras()

@@ -668,6 +668,48 @@ def variant_position_embedding_adam():
     return model, {"history": fit_arrays(model, tokens, labels)}
 
 
+def variant_summed_loss():
+    """A loss reduced by sum (`reduction="sum"`, `reduction=None`, a `Loss` subclass summing),
+    which keras_mwms cannot yet split over workers: on several workers `fit` and `evaluate`
+    refuse it on every worker, naming the loss and the fix (before: 2 on TensorFlow, 8 on torch
+    and JAX where one process's SGD step gives 16, silently). The fix it names, the default
+    reduction with the SGD learning rate times the global batch size, then trains as one
+    process's summed loss does (96 rows: full batches only, where the two are the same steps)."""
+    x, y = regression(96)
+    several = strategy is not None and strategy.num_workers > 1
+
+    class SumOfSquares(keras.losses.Loss):
+        def __init__(self, name="sum_of_squares", reduction="sum"):
+            super().__init__(name=name, reduction=reduction)
+
+        def call(self, y_true, y_pred):
+            return keras.ops.square(y_true - y_pred)[:, 0]
+
+    refused = {}
+    forms = {"sum": keras.losses.MeanSquaredError(reduction="sum"),
+             "none": keras.losses.MeanSquaredError(reduction=None), "subclass": SumOfSquares()}
+    for form, loss in forms.items():
+        with scope():
+            model = mlp()
+            model.compile(optimizer=keras.optimizers.SGD(0.05 / BATCH), loss=loss)
+        try:
+            fit_arrays(model, x, y, epochs=1)
+            if form == "sum":
+                model.evaluate(x, y, batch_size=BATCH, verbose=0)
+            refused[form] = None
+        except Exception as error:   # reduction=None: plain Keras' torch and JAX need a scalar loss
+            refused[form] = f"{type(error).__name__}: {error}"
+    with scope():
+        model = mlp()
+        if several:   # the fix the error names
+            model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        else:
+            model.compile(optimizer=keras.optimizers.SGD(0.05 / BATCH),
+                          loss=keras.losses.MeanSquaredError(reduction="sum"))
+    fit_arrays(model, x, y)
+    return model, {"refused": refused}
+
+
 def variant_custom_max_metric():
     """A registered custom `Metric` whose state is a running maximum (its variable named as a
     user names it, `running_max`), compiled with the model: its logs must be one process's
