@@ -5,11 +5,13 @@ The gang cases run `tests/workers/hang_scenario.py` through the real launcher
 (`KERAS_MWMS_HANG_REPORT_SECONDS=3`): worker 1 (a) sleeps 30 s making batch 3 of its input,
 (b) runs one extra `train_on_batch` (a desync; inside `with strategy:` and before a shuffled
 fit, where TensorFlow raised "Collective instance … expected type 0 and data_type 1 but got
-type 0 and data_type 9" and no verdict before issue 31), (c) is SIGSTOPped at batch 3; and
-(d) the chief alone calls `model.evaluate` (`if strategy.is_chief:`) while worker 1's script
-ends. Each gang must end non-zero within threshold + 15 s of the fault, the chief's verdict
+type 0 and data_type 9" and no verdict before issue 31), (b') runs that `train_on_batch` in a
+callback's `on_epoch_end` inside `fit` (TensorFlow's mismatch then came with fit's own step and
+collective numbers: raw `InternalError`, no verdict, before issue 44), (c) is SIGSTOPped at
+batch 3; and (d) the chief alone calls `model.evaluate` (`if strategy.is_chief:`) while worker
+1's script ends. Each gang must end non-zero within threshold + 15 s of the fault, the chief's verdict
 must name the worker and the kind (and the batch for (a)), and the launcher must print the same
-verdict, line for line; in (d) worker 1 must have finished its script. The twelve gangs run
+verdict, line for line; in (d) worker 1 must have finished its script. The fifteen gangs run
 three at a time (they mostly wait); their times go to a table printed at the end
 (`pytest -s`). Nothing here imports keras or a backend in the pytest process.
 """
@@ -37,8 +39,8 @@ from keras_mwms.launch import find_free_ports
 from tests.multiworker import REPO, WORKERS_DIR, concurrently, run_launcher, selected_params, worker_env
 
 BACKENDS = ("tensorflow", "jax", "torch")
-FAULTS = ("data", "desync", "sigstop", "chief-evaluate")
-EXTRA_ARGUMENTS = {"desync": ["--shuffle", "--with-block"]}
+FAULTS = ("data", "desync", "callback-desync", "sigstop", "chief-evaluate")
+EXTRA_ARGUMENTS = {"desync": ["--shuffle", "--with-block"], "callback-desync": ["--epochs", "2"]}
 THRESHOLD = 3
 BOUND = THRESHOLD + 15
 AT_BATCH = 3
@@ -123,6 +125,9 @@ def test_verdict_rules():
     assert (more_steps.kind, more_steps.workers) == ("desync", [1]) and "1 train step(s) more" in more_steps.text
     call = verdicts.decide({0: _report(0, 5, 2), 1: _report(1, 4, 2, call="train_on_batch")}, 2)
     assert (call.kind, call.workers) == ("desync", [1]) and "model.train_on_batch" in call.text
+    # A train_on_batch in one worker's callback, at fit's own step and collective numbers.
+    nested = verdicts.decide({0: _report(0, 5, 2), 1: _report(1, 5, 2, call="train_on_batch")}, 2)
+    assert (nested.kind, nested.workers) == ("desync", [1]) and "model.train_on_batch while" in nested.text
     three = verdicts.decide({0: _report(0, 5, 2), 1: _report(1, 5, 2), 2: _report(2, 6, 2)}, 3)
     assert (three.kind, three.workers) == ("desync", [2])
     # After failed collectives (`settled`): where each failed worker was last.
@@ -337,7 +342,7 @@ def _run(backend: str, fault: str, out: str) -> Run:
 
 @pytest.fixture(scope="module")
 def hang_runs(request, tmp_path_factory):
-    """The selected gangs (all twelve in a full run), three at a time, keyed (backend, fault)."""
+    """The selected gangs (all fifteen in a full run), three at a time, keyed (backend, fault)."""
     jobs = selected_params(request, "backend", "fault")
     outs = {job: str(tmp_path_factory.mktemp(f"hang_{job[0]}_{job[1]}")) for job in jobs}
     runs = concurrently(lambda job: _run(*job, outs[job]), jobs)
@@ -350,6 +355,9 @@ def hang_runs(request, tmp_path_factory):
 HEADLINES = {
     "data": f"data wait: worker 1 is behind, waiting for data: its input pipeline has been making batch {AT_BATCH} of this epoch",
     "desync": "desync: the workers wait in different collectives; worker 1 is out of step: worker 1 is in model.train_on_batch",
+    # A train_on_batch in worker 1's on_epoch_end (TensorFlow: the mismatched collective fails
+    # at once, with fit's step numbers): named by its call, or (JAX) by its extra train step.
+    "callback-desync": "desync: the workers wait in different collectives; worker 1 is out of step: worker 1 ",
     "sigstop": "no answer: worker 1 did not answer the hang report",
     "chief-evaluate": "called on some workers only: model.evaluate was called on worker 0 only; every "
                       "worker must call it. worker 1 had left the job (its script ended after collective",

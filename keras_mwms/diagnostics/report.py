@@ -36,19 +36,20 @@ KERAS_CALLS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", 
 
 
 def keras_call(ident: int | None) -> str:
-    """The outermost Keras method (`fit`, `train_on_batch`, ...) thread `ident` is inside, or ""."""
+    """The innermost Keras method (`fit`, `train_on_batch`, ...) thread `ident` is inside, or "":
+    a `train_on_batch` a callback runs inside `fit` is named as such."""
     frame = sys._current_frames().get(ident) if ident is not None else None
-    found = ""
     while frame is not None:
         code = frame.f_code
         if code.co_name in KERAS_CALLS and f"{os.sep}keras{os.sep}" in code.co_filename:
-            found = code.co_name
-        elif f"{os.sep}keras_mwms{os.sep}" in code.co_filename and "original" in code.co_freevars:
+            return code.co_name
+        if f"{os.sep}keras_mwms{os.sep}" in code.co_filename and "original" in code.co_freevars:
             # keras_mwms' own wrapper of a Keras method (its start-of-fit sync runs there).
             name = getattr(frame.f_locals.get("original"), "__name__", "")
-            found = name if name in KERAS_CALLS else found
+            if name in KERAS_CALLS:
+                return name
         frame = frame.f_back
-    return found
+    return ""
 
 
 def build_report(worker: int, label: str, ledger: Ledger, threshold: float, failed: bool = False) -> dict:
@@ -63,7 +64,8 @@ def build_report(worker: int, label: str, ledger: Ledger, threshold: float, fail
         "type": "report", "worker": worker, "label": label, "pid": os.getpid(),
         "host": socket.gethostname(), "time": time.time(), "threshold": threshold, "failed": failed,
         "ledger": snapshot, "stack": thread_stack(ledger.main_thread),
-        # The Keras method the main thread is in now; else the last one that ran a train step.
-        "call": keras_call(ledger.main_thread) or snapshot["call"],
+        # The Keras method the main thread is in now; else (and for a worker whose collective
+        # failed, which has left that call) the last one that ran a train step.
+        "call": (failed and snapshot["call"]) or keras_call(ledger.main_thread) or snapshot["call"],
         "data_stack": thread_stack(ledger.data_thread) if data and not data["main_thread"] else [],
     }

@@ -8,6 +8,8 @@ Every worker trains a small MLP on a `keras.utils.PyDataset` of global batches: 
 
 * `data`: its PyDataset sleeps `--sleep` seconds making batch `--at-batch` of the second fit;
 * `desync`: it runs one extra `model.train_on_batch` between the two fits;
+* `callback-desync`: it runs one extra `model.train_on_batch` inside a callback's
+  `on_epoch_end` of the second fit's first epoch (a user's callback doing work on one worker);
 * `sigstop`: it stops itself (SIGSTOP) at batch `--at-batch` of the second fit;
 * `chief-evaluate`: the tf.distribute habit `if strategy.is_chief: model.evaluate(...)` after the
   warm-up fit (the chief is the faulty worker); the other workers' scripts end there;
@@ -39,7 +41,7 @@ GLOBAL_BATCH = 32
 def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--fault", choices=("data", "desync", "sigstop", "chief-evaluate", "usr1", "none"), required=True)
+    parser.add_argument("--fault", choices=("data", "desync", "callback-desync", "sigstop", "chief-evaluate", "usr1", "none"), required=True)
     parser.add_argument("--worker", type=int, default=1)
     parser.add_argument("--at-batch", type=int, default=3)
     parser.add_argument("--sleep", type=float, default=30.0)
@@ -113,6 +115,11 @@ def train(arguments: argparse.Namespace, strategy, index: int, faulty: bool) -> 
             if arguments.fault == "sigstop" and faulty and batch == arguments.at_batch:
                 record_fault(arguments.out, index, "sigstop")
                 os.kill(os.getpid(), signal.SIGSTOP)
+
+        def on_epoch_end(self, epoch, logs=None):
+            if arguments.fault == "callback-desync" and faulty and epoch == 0 and data.armed:
+                record_fault(arguments.out, index, "callback-desync")
+                self.model.train_on_batch(x[:GLOBAL_BATCH], y[:GLOBAL_BATCH])
 
     with strategy.scope():
         model = common.mlp()
