@@ -6,7 +6,10 @@ so an engine that advertises a loopback or host-name address to its peer, or lis
 wrong interface, fails here while it passes on localhost. For every backend one run of
 `tests/workers/two_hosts_fit.py` trains across the two namespaces; the tests assert both
 workers end bit-identical, equal to a single process on the same global batches, and which
-addresses each engine listens on (see the README's Security section).
+addresses each engine listens on (see the README's Security section). A partition: for every
+backend a gang whose worker 1 takes its own link down mid-fit (`tests/workers/partition_fit.py`)
+must end on both sides, each naming the other and the step, without a native abort, within the
+hang threshold + 15 s of the cut (the three gangs run at once, each in its own pair of namespaces).
 
 Needs root and iproute2 (`ip netns`); skipped with the reason otherwise. The namespaces (and
 with them the veth pair) are deleted in a finalizer; the workers run under
@@ -15,16 +18,21 @@ with them the veth pair) are deleted in a finalizer; the workers run under
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import random
+import re
 import shutil
 import subprocess
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.multiworker import Spawn, python_worker, run_processes, worker_env
+from tests.multiworker import Spawn, concurrently, python_worker, run_processes, selected_params, worker_env
 from tests.workers.common import load_result, load_weights, max_weight_difference
 
 RUN_TIMEOUT = 240  # seconds for a 2-worker run; measured 44-77 s on a loaded 2-core machine
@@ -41,10 +49,12 @@ pytestmark = pytest.mark.slow
 
 @dataclass
 class TwoHosts:
-    """Two network namespaces joined by a veth pair; `addresses[i]` is namespace i's IP."""
+    """Two network namespaces joined by a veth pair; `addresses[i]` is namespace i's IP, `links[i]`
+    its end of the pair."""
 
     namespaces: tuple[str, str]
     addresses: tuple[str, str]
+    links: tuple[str, str]
 
     def tf_config(self, index: int, port: int) -> str:
         import json
@@ -66,16 +76,21 @@ def _delete_namespaces(namespaces, links) -> None:
         subprocess.run(["ip", "link", "delete", link], capture_output=True, timeout=30)
 
 
-@pytest.fixture(scope="module")
-def two_hosts():
+def _can_make_namespaces() -> None:
     if os.name != "posix" or os.geteuid() != 0:
         pytest.skip("network namespaces need root (ip netns add); run the tests as root, as CI does")
     if shutil.which("ip") is None:
         pytest.skip("iproute2's `ip` is not installed; apt-get install iproute2")
-    # A random subnet and names per run, so parallel runs and leftovers of a killed run don't clash.
-    tag = f"{os.getpid() % 10000}{random.randrange(100):02d}"
+
+
+@contextlib.contextmanager
+def two_namespaces(prefix: str = "kmwms") -> Iterator[TwoHosts]:
+    """Two new network namespaces joined by a veth pair; deleted on exit (skips if impossible)."""
+    _can_make_namespaces()
+    # A random subnet and names per pair, so concurrent pairs and leftovers of a killed run don't clash.
+    tag = f"{os.getpid() % 10000}{random.randrange(1000):03d}"
     subnet = random.randrange(1, 255)
-    namespaces = (f"kmwms{tag}a", f"kmwms{tag}b")
+    namespaces = (f"{prefix}{tag}a", f"{prefix}{tag}b")
     links = (f"kmv{tag}a", f"kmv{tag}b")
     addresses = (f"10.77.{subnet}.1", f"10.77.{subnet}.2")
     try:
@@ -92,9 +107,15 @@ def two_hosts():
         detail = getattr(error, "stderr", "") or error
         pytest.skip(f"cannot create two network namespaces joined by a veth pair here: {detail}")
     try:
-        yield TwoHosts(namespaces, addresses)
+        yield TwoHosts(namespaces, addresses, links)
     finally:
         _delete_namespaces(namespaces, links)
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    with two_namespaces() as hosts:
+        yield hosts
 
 
 @dataclass
@@ -207,3 +228,67 @@ def test_slurm_node_list_naming_both_namespaces_trains_like_one_process(across, 
         assert (result["resolver"], result["tf_config_set"], result["num_workers"]) == \
             ("SlurmClusterResolver", False, 2)
     assert "keras_mwms: cluster of 2 workers from Slurm job step" in ran.outputs[0]
+
+
+# -- a partition: worker 1's link goes down mid-fit -------------------------------------------
+PARTITION_THRESHOLD = 10    # KERAS_MWMS_HANG_REPORT_SECONDS of the partitioned gangs
+PARTITION_BOUND = PARTITION_THRESHOLD + 15   # the issue's bound, from the cut to both exits
+PARTITION_TIMEOUT = 300
+# JAX once aborted both workers (SIGABRT, XLA's C++ stack) when its heartbeat, which follows
+# timeout_seconds, ran out before the hang report: its gang sets a timeout below the threshold.
+PARTITION_TIMEOUT_SECONDS = {"jax": 5.0}
+
+
+@dataclass
+class PartitionRun:
+    codes: list[int | None]
+    outputs: list[str]
+    cut: dict
+    ended: float
+
+    def log(self) -> str:
+        return "\n".join(f"--- worker {index} (exit {code})\n{output[-5000:]}"
+                         for index, (code, output) in enumerate(zip(self.codes, self.outputs)))
+
+
+def _partitioned(backend: str, root: Path) -> PartitionRun:
+    with two_namespaces("kmwp") as hosts:
+        port = random.randrange(20000, 40000)
+        timeout = PARTITION_TIMEOUT_SECONDS.get(backend)
+        command = python_worker("partition_fit.py", str(root), "--link", hosts.links[1],
+                                *(["--timeout-seconds", str(timeout)] if timeout else []))
+        env = worker_env(backend, lean=True, KERAS_MWMS_HANG_REPORT_SECONDS=str(PARTITION_THRESHOLD))
+        ran = run_processes([Spawn(command, {**env, "TF_CONFIG": hosts.tf_config(index, port)},
+                                   prefix=("ip", "netns", "exec", namespace))
+                             for index, namespace in enumerate(hosts.namespaces)],
+                            timeout=PARTITION_TIMEOUT, grace_after_failure=PARTITION_TIMEOUT)
+        ended = time.time()
+    cut = (root / "fault.json")
+    return PartitionRun(ran.codes, ran.outputs, json.loads(cut.read_text()) if cut.exists() else {}, ended)
+
+
+@pytest.fixture(scope="module")
+def partitions(request, tmp_path_factory) -> dict:
+    """backend -> its partitioned gang; the selected backends' gangs run at once."""
+    backends = selected_params(request, "backend")
+    roots = {backend: tmp_path_factory.mktemp(f"partition-{backend}") for backend in backends}
+    return concurrently(lambda backend: _partitioned(backend, roots[backend]), backends)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_cut_link_is_named_on_both_sides_without_a_native_abort(partitions, backend):
+    """Worker 1 takes its link down mid-fit: each worker ends non-zero, on its own (no signal,
+    no SIGABRT), naming the other (a `WorkerLostError` or a hang verdict) and the step, within
+    the hang threshold + 15 s of the cut. Before: JAX aborted both with XLA's C++ stack, and
+    TensorFlow's worker 1 lost "an unidentified peer"."""
+    run = partitions[backend]
+    assert run.cut, f"worker 1 never cut its link\n{run.log()}"
+    seconds = run.ended - run.cut["time"]
+    print(f"[partition] {backend}: both workers ended {seconds:.1f} s after the cut, exit codes {run.codes}")
+    for index, other in ((0, 1), (1, 0)):
+        code, output = run.codes[index], run.outputs[index]
+        assert code is not None and code > 0, f"worker {index} ended by a signal or not at all\n{run.log()}"
+        assert "Fatal Python error" not in output and "Check failure" not in output, run.log()
+        named = re.search(rf"lost worker {other} \(.*train step \d+|no answer: worker {other} did not answer", output)
+        assert named, f"worker {index} did not name worker {other}\n{run.log()}"
+    assert seconds <= PARTITION_BOUND, f"{seconds:.1f} s from the cut to both exits\n{run.log()}"

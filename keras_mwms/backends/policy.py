@@ -44,6 +44,7 @@ import numpy as np
 
 from keras_mwms import diagnostics
 from keras_mwms.backends.keras_api import attributes
+from keras_mwms.diagnostics.ledger import LEDGER
 from keras_mwms.errors import WorkerLostError
 from keras_mwms.log import get_logger
 from keras_mwms.startup.advice import advice_for
@@ -542,7 +543,8 @@ def raise_worker_lost(backend: Any, where: str, error: BaseException, lost_ranks
     # the job there (`keras_mwms.diagnostics.confirm_lost`); otherwise this goes on.
     diagnostics.confirm_lost(where)
     labels = [worker_label(backend.resolver, rank) for rank in lost_ranks]
-    message = lost_worker_message(backend.worker_index, labels, where,
+    step = LEDGER.step if LEDGER.enabled else 0
+    message = lost_worker_message(backend.worker_index, labels, f"{where} (train step {step})" if step else where,
                                   str(error) or type(error).__name__,
                                   restart=advice_for(backend.resolver).restart)
     logger.error(message)

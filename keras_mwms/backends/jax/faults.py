@@ -147,7 +147,8 @@ class JaxFaults(Faults):
         JAX cannot tell quickly whether another remote peer died: its service learns of a death
         only after the heartbeat timeout (`engine.heartbeat_timeout_seconds`), and its
         `get_live_nodes` is a barrier of the listed tasks (each must call it, the caller too).
-        Such a peer is not named here; JAX's own abort names it after that timeout.
+        Such a peer is not named here: the hang report names it (a partition or a stopped peer:
+        "no answer"), before JAX's heartbeat, which waits the report out, would abort the job.
         """
         here = socket.gethostname()
         ranks = [rank for rank in ranks if rank in self.peers]

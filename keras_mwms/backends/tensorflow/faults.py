@@ -68,7 +68,22 @@ class TensorFlowFaults(Faults):
         return isinstance(error, tf.errors.InternalError) and _MISMATCH in str(error)
 
     def lost_ranks(self, error: BaseException) -> list[int]:
-        return lost_ranks(str(error), self.backend.resolver, self.backend.worker_index)
+        """The ranks TF's error names; where it names none, the one peer of a 2-worker job, or
+        the chief when TF's own heartbeat to the coordination service (which the chief hosts)
+        timed out ("Deadline Exceeded" with no collective timeout of the user's): cut off by a
+        partition, a worker learns only that the chief stopped answering."""
+        import tensorflow as tf
+
+        me = self.backend.worker_index
+        ranks = lost_ranks(str(error), self.backend.resolver, me)
+        if ranks:
+            return ranks
+        if self.backend.num_workers == 2:
+            return [1 - me]
+        if (me != 0 and isinstance(error, tf.errors.DeadlineExceededError)
+                and getattr(self.backend, "collective_timeout_seconds", None) is None):
+            return [0]
+        return []
 
     def detail(self, error: BaseException) -> RuntimeError:
         """TF's lost-peer error reduced to its telling line (TF's own error chained as the cause)."""
