@@ -72,7 +72,7 @@ OPEN_LOG_DIFFERENCES = {
 # Variants run a second time on a gang of 3 workers (a global batch of 16 splits 6/5/5).
 THREE_WORKER_VARIANTS = ["sgd_arrays", "generator_then_tfdata", "on_batch_loops", "batchnorm_smallest",
                          "batchnorm_default", "batchnorm_per_worker", "batchnorm_transfer_learning",
-                         "chief_only_callbacks", "position_embedding_adam", "summed_loss"]
+                         "chief_only_callbacks", "position_embedding_adam", "summed_loss", "layer_state"]
 BACKENDS = [pytest.param(name, marks=getattr(pytest.mark, name)) for name in ("tensorflow", "jax", "torch")]
 
 
@@ -254,6 +254,21 @@ def test_a_loss_reduced_by_sum_is_refused_on_every_worker_with_the_fix(runs, thr
     assert plain["sum"] is None and plain["subclass"] is None, plain
     # reduction=None: plain Keras trains it on TensorFlow; torch and JAX need a scalar loss.
     assert single == plain and "keras_mwms" not in str(plain["none"]), (single, plain)
+
+
+@pytest.mark.slow
+def test_a_layers_summed_and_averaged_state_is_one_processs(runs, three_workers):
+    """A layer's `aggregation="sum"` counter counts the global rows once (before: TensorFlow's
+    grew exponentially, 260,580 rows where one process counts 200; torch and JAX kept each
+    worker's own and fit ended with WorkersDifferError) and its `"mean"` running mean is one
+    process's, 3 workers' uneven and empty shards included (before: NaN on TensorFlow)."""
+    expected = runs.reference("layer_state")
+    for gang_runs, workers in ((runs, 2), (three_workers, 3)):
+        for worker in range(workers):
+            result = gang_runs.result("layer_state", worker)
+            _no_error(result, f"worker {worker} of {workers}")
+            assert result["seen"] == expected["seen"] == 200.0, (workers, result["seen"], expected["seen"])
+            np.testing.assert_allclose(result["running"], expected["running"], atol=1e-6)
 
 
 @pytest.mark.slow

@@ -710,6 +710,38 @@ def variant_summed_loss():
     return model, {"refused": refused}
 
 
+def variant_layer_state():
+    """A custom layer keeping non-trainable state updated in `call()` (keras.io's "examples seen"
+    counter, a running mean): with `aggregation="sum"` the count must be one process's total
+    of rows, with `aggregation="mean"` the running mean one process's (before: TensorFlow's
+    count grew exponentially, torch and JAX kept each worker's own)."""
+    x, y = regression()
+
+    class Tracking(keras.layers.Layer):
+        def build(self, input_shape):
+            self.seen = self.add_weight(shape=(), initializer="zeros", trainable=False,
+                                        aggregation="sum", name="seen")
+            self.running = self.add_weight(shape=(input_shape[-1],), initializer="zeros", trainable=False,
+                                           aggregation="mean", name="running")
+
+        def call(self, inputs, training=False):
+            if training:
+                rows = keras.ops.cast(keras.ops.shape(inputs)[0], "float32")
+                self.seen.assign(self.seen + rows)
+                self.running.assign(0.9 * self.running + 0.1 * keras.ops.mean(inputs, axis=0))
+            return inputs
+
+    with scope():
+        inputs = keras.Input((x.shape[1],))
+        tracking = Tracking()
+        outputs = keras.layers.Dense(1)(tracking(inputs))
+        model = keras.Model(inputs, outputs)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    history = fit_arrays(model, x, y)
+    return model, {"history": history, "seen": float(keras.ops.convert_to_numpy(tracking.seen)),
+                   "running": keras.ops.convert_to_numpy(tracking.running).tolist()}
+
+
 def variant_custom_max_metric():
     """A registered custom `Metric` whose state is a running maximum (its variable named as a
     user names it, `running_max`), compiled with the model: its logs must be one process's

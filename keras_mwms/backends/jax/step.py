@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from keras_mwms.backends import policy
+from keras_mwms.backends import layer_state, policy
 from keras_mwms.backends.compression import WIRE, wire_dtype
 from keras_mwms.backends.jax.step_payload import (
     FlatLayout,
@@ -242,12 +242,20 @@ def can_run_flat(model, options: Any = None) -> str | None:
 
 
 def _batch_norm_statistics_indices(model) -> list[int]:
+    """BatchNormalization's moving statistics and the layers' own `aggregation="mean"` state
+    (`keras_mwms.backends.layer_state`): averaged across workers, weighted by rows."""
     from keras.layers import BatchNormalization
 
-    wanted = set()
+    wanted = {id(variable) for variable in layer_state.aggregated_state(model)[1]}
     for layer in attributes.flatten_layers(model):
         if isinstance(layer, BatchNormalization) and layer.trainable:
             wanted |= {id(layer.moving_mean), id(layer.moving_variance)}
+    return [i for i, variable in enumerate(model.non_trainable_variables) if id(variable) in wanted]
+
+
+def _summed_state_indices(model) -> list[int]:
+    """The layers' own `aggregation="sum"` state: every worker's change is added after the step."""
+    wanted = {id(variable) for variable in layer_state.aggregated_state(model)[0]}
     return [i for i, variable in enumerate(model.non_trainable_variables) if id(variable) in wanted]
 
 
@@ -324,6 +332,7 @@ class FlatTrainStep:
         # Everything committed to this worker's device: otherwise the first steps (variables fresh
         # from numpy are "uncommitted", step outputs are "committed") compile the step three times.
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        self._device, self._summed_state = device, _summed_state_indices(model)
         self._local = jax.jit(self.local_part, in_shardings=device, out_shardings=device)
         self._apply = jax.jit(self.apply_part, donate_argnums=(0, 1, 2), static_argnums=(7,), in_shardings=device,
                               out_shardings=device)
@@ -341,8 +350,15 @@ class FlatTrainStep:
         reduced = self._guard(lambda: gather_and_reduce(
             local_gathered, [layout.reductions[i] for i in layout.gathered], self._all_gather)) if layout.gathered else []
         accumulated, update = self._accumulate(local_grads, sums, optimizer_variables)
+        # The layers' summed state: this worker's change (none from a dummy row), read before the
+        # apply takes the local values over.
+        changes = [np.asarray(new_non_trainable[i]) - np.asarray(non_trainable[i]) if rows
+                   else np.zeros(np.shape(non_trainable[i]), np.asarray(non_trainable[i]).dtype)
+                   for i in self._summed_state]
         trainable, new_non_trainable, optimizer_variables, global_logs = self._apply(
             trainable, new_non_trainable, optimizer_variables, new_metrics, sums, reduced, accumulated, update)
+        if self._summed_state:
+            new_non_trainable = self._add_every_workers_change(non_trainable, new_non_trainable, changes)
         if layout.accumulating:   # Keras' apply counted one micro-step
             self._micro_steps.advanced(after=optimizer_variables)
         # Batch logs are global, as on TensorFlow and torch: callbacks that stop on a logged value
@@ -351,6 +367,20 @@ class FlatTrainStep:
         if not logs or set(logs) == set(global_logs):
             logs = global_logs
         return logs, (trainable, new_non_trainable, optimizer_variables, new_metrics)
+
+    def _add_every_workers_change(self, before: list, after: list, changes: list) -> list:
+        """`aggregation="sum"` state: its value before the step plus every worker's change (one
+        all-gather of the changes, summed in worker order: the same on every worker)."""
+        import jax
+
+        flat = np.concatenate([change.reshape(-1).astype(np.float32) for change in changes])
+        totals = self._guard(lambda: self._all_gather(flat)).sum(axis=0)
+        after, offset = list(after), 0
+        for i, change in zip(self._summed_state, changes):
+            total = totals[offset:offset + change.size].reshape(change.shape)
+            offset += change.size
+            after[i] = jax.device_put((np.asarray(before[i]) + total).astype(change.dtype), self._device)
+        return after
 
     def loss_share(self, *args, **kwargs):
         """Keras' loss and updates, the loss times `layout.share`."""

@@ -32,7 +32,7 @@ from keras_mwms.backends import batch_norm as core_batch_norm
 from keras_mwms.backends import fit_call, policy
 from keras_mwms.backends.keras_api import attributes, internals, targets
 from keras_mwms.backends.patches import ANY_KERAS, Patch, PatchTable
-from keras_mwms.backends.tensorflow import batch_norm, data, fit_hooks
+from keras_mwms.backends.tensorflow import batch_norm, data, fit_hooks, layer_state, step
 from keras_mwms.diagnostics.ledger import counted_in_graph
 
 # -- Keras 3.15.1 crash repairs (keras-team/keras#20585) ----------------------------------
@@ -213,9 +213,17 @@ def patch_table(backend: Any) -> PatchTable:
               replacement=weighting.unscale_loss,
               works_around="the logged loss must undo the row-share scaling",
               parameters=("value",)),
+        Patch(name="tf-aggregated-layer-state",
+              target=targets.TF_VARIABLE_DIRECT_ASSIGN,
+              replacement=layer_state.aggregated_state_assign(weighting),
+              works_around="a layer's `aggregation=\"sum\"` variable assigned in a step (Keras' "
+                           "assign_add is assign(self + value) too) sums every replica's new value, "
+                           "old value included: a counter grows exponentially; \"mean\" weighs "
+                           "replicas alike and takes an empty shard's NaN",
+              parameters=("value",)),
         Patch(name="tf-merge-call-in-cross-replica-context",
               target="tensorflow:__internal__.distribute.interim.maybe_merge_call",
-              replacement=weighting.merge_call_in_cross_replica_context,
+              replacement=step.merge_call_in_cross_replica_context,
               works_around="TF's maybe_merge_call fails in a cross-replica context, where Keras' "
                            "update runs after the one merge_call",
               parameters=("fn", "strategy")),

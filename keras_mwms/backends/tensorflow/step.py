@@ -265,11 +265,14 @@ class RowWeighting:
                     WIRE.trace("row count", 4)
                     global_rows = context.all_reduce(tf.distribute.ReduceOp.SUM, rows)
                     self._replica.factor = tf.math.divide_no_nan(rows * replicas, global_rows)
+                    self._replica.share = tf.math.divide_no_nan(
+                        rows * context.num_replicas_in_sync, global_rows)
                 try:
                     return fn(*step_args, **step_kwargs)
                 finally:
                     self._replica.factor = None
                     self._replica.rows = None
+                    self._replica.share = None
 
             return original(replica_step, *args, **kwargs)
 
@@ -294,6 +297,21 @@ class RowWeighting:
             return combine(value, tf.cast(factor, value.dtype))
 
         return replacement
+
+    def row_share(self, context):
+        """This replica's rows × replicas ÷ the global rows inside a Keras-loop step (1 without a
+        batch to count); the fast path learns the global rows with one scalar all-reduce."""
+        import tensorflow as tf
+
+        share = getattr(self._replica, "share", None)
+        if share is not None:
+            return share
+        rows = getattr(self._replica, "rows", None)
+        if rows is None:
+            return tf.constant(1.0)
+        WIRE.trace("row count", 4)
+        global_rows = context.all_reduce(tf.distribute.ReduceOp.SUM, rows)
+        return tf.math.divide_no_nan(rows * context.num_replicas_in_sync, global_rows)
 
     def apply_after_all_reduce(self, original: Callable) -> Callable:
         """`TFOptimizer._backend_apply_gradients`: all-reduce first, then Keras' whole update."""
@@ -451,20 +469,20 @@ class RowWeighting:
             tf.py_function(functools.partial(count_window_all_reduce, nbytes), [], [])
         return totals
 
-    @staticmethod
-    def merge_call_in_cross_replica_context(original: Callable) -> Callable:
-        """`maybe_merge_call` that calls `fn` directly where the caller is already cross-replica.
 
-        TF's version always asks the replica context for a `merge_call`, so Keras' optimizer
-        helpers fail (`'NoneType' object has no attribute 'merge_call'`) when the update itself
-        runs inside our one `merge_call`; there, running `fn` directly is what `merge_call` does.
-        """
-        @functools.wraps(original)
-        def maybe_merge_call(fn, strategy, *args, **kwargs):
-            import tensorflow as tf
+def merge_call_in_cross_replica_context(original: Callable) -> Callable:
+    """`maybe_merge_call` that calls `fn` directly where the caller is already cross-replica.
 
-            if tf.distribute.get_replica_context() is None:
-                return fn(strategy, *args, **kwargs)
-            return original(fn, strategy, *args, **kwargs)
+    TF's version always asks the replica context for a `merge_call`, so Keras' optimizer
+    helpers fail (`'NoneType' object has no attribute 'merge_call'`) when the update itself
+    runs inside our one `merge_call`; there, running `fn` directly is what `merge_call` does.
+    """
+    @functools.wraps(original)
+    def maybe_merge_call(fn, strategy, *args, **kwargs):
+        import tensorflow as tf
 
-        return maybe_merge_call
+        if tf.distribute.get_replica_context() is None:
+            return fn(strategy, *args, **kwargs)
+        return original(fn, strategy, *args, **kwargs)
+
+    return maybe_merge_call

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from keras_mwms.backends import policy
+from keras_mwms.backends import layer_state, policy
 from keras_mwms.backends.compression import WIRE, wire_dtype
 from keras_mwms.backends.keras_api import attributes
 from keras_mwms.backends.torch import accumulation, metrics
@@ -87,7 +87,8 @@ class StepExtras:
 
 def unsynchronized_batch_norm_statistics(model, backend: TorchEngine) -> list:
     """The moving statistics of the model's trainable BatchNormalization layers that normalize
-    over each worker's shard (`CommunicationOptions.batch_norm_statistics="per_worker"`).
+    over each worker's shard (`CommunicationOptions.batch_norm_statistics="per_worker"`), and the
+    layers' own variables declared `aggregation="mean"`.
 
     Those are averaged across workers, weighted by rows, so they never drift; layers with
     global moments need nothing (every worker computed the same moments). Collected once per
@@ -103,6 +104,8 @@ def unsynchronized_batch_norm_statistics(model, backend: TorchEngine) -> list:
         if (isinstance(layer, BatchNormalization) and layer.trainable
                 and not policy.global_batch_norm_moments(layer, backend.options)):
             statistics += [layer.moving_mean, layer.moving_variance]
+    # A layer's own `aggregation="mean"` state is averaged the same way (`backends/layer_state`).
+    statistics += layer_state.aggregated_state(model)[1]
     STATE.of(model).batch_norm_statistics = statistics
     return statistics
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from keras_mwms.backends import policy
+from keras_mwms.backends import layer_state, policy
 from keras_mwms.backends.compression import WIRE
 from keras_mwms.backends.keras_api import attributes, internals
 from keras_mwms.backends.torch import accumulation, compiled_step, gradients, metrics, recompile_limit
@@ -48,6 +48,7 @@ def prepare_fit(model, backend: TorchEngine) -> None:
     # Layers may have changed since the last fit (trainable flags): re-collect.
     state = STATE.of(model)
     state.batch_norm_statistics = state.in_graph_wire_bytes = state.one_graph_traceable = None
+    state.summed_layer_state = layer_state.aggregated_state(model)[0]
     backend.rows.begin_fit()     # a LossScaleOptimizer's unit: this fit's first global rows
 
 
@@ -112,6 +113,18 @@ def weighted_loss(backend: TorchEngine, optimizer, loss):
         return float(backend.all_reduce(np.array([rows], np.float64), "sum")[0])
 
     return loss * backend.rows.weigh_loss(isinstance(optimizer, LossScaleOptimizer), global_sum)
+
+
+def add_every_workers_change(backend: TorchEngine, variables: list, before: list, has_rows: bool) -> None:
+    """A layer's `aggregation="sum"` state after a step: its value before plus every worker's
+    change (one all-reduce of the changes; `keras_mwms.backends.layer_state`). A worker with no
+    rows in the step stepped on a dummy row: its change is none."""
+    changes = [variable.value.detach() - old if has_rows else torch.zeros_like(old)
+               for variable, old in zip(variables, before)]
+    with backend.guarded("layer state all-reduce"):
+        totals = backend.all_reduce_flat(changes, "sum", what="layer state all-reduce")
+    for variable, old, total in zip(variables, before, totals):
+        variable.value.data.copy_(old + total)
 
 
 def dummy_row(batch) -> Any:
@@ -272,6 +285,8 @@ def _distributed_train_function(model, backend: TorchEngine, train_function):
             metrics_first = metrics_first and reducer.armed
         elif accumulating:
             metrics_first = STATE.of(model).metrics_ride_accumulation = True
+        summed = STATE.get(model, "summed_layer_state") or []
+        before = [variable.value.detach().clone() for variable in summed]
         try:
             if metrics_first:
                 train_step_metrics_first(model, batch if rows else dummy_row(batch), rows)
@@ -284,6 +299,8 @@ def _distributed_train_function(model, backend: TorchEngine, train_function):
         finally:
             if reducer is not None:
                 reducer.disarm()
+        if summed:
+            add_every_workers_change(backend, summed, before, has_rows=bool(rows))
         # Batch logs are global, as on TensorFlow: callbacks that stop training on a logged value
         # (TerminateOnNaN, a batch-level EarlyStopping) decide alike on every worker. Local logs
         # let one worker stop a step early and the others hang or abort in the next collective.
