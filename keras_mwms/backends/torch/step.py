@@ -184,7 +184,12 @@ def train_step_metrics_first(model, data, rows: int) -> None:
     x, y, sample_weight = internals.unpack_x_y_sample_weight(data)
     y_pred = model(x, training=True) if attributes.call_has_training_arg(model) else model(x)
     model.zero_grad()
+    # Keras' compute_loss also updates the per-output loss trackers (`out1_loss`): a dummy
+    # row's update is forgotten, as every other metric's.
+    snapshot = None if rows else metrics.metric_snapshot(model)
     loss = attributes.compute_loss(model, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+    if snapshot is not None:
+        metrics.metric_restore(model, snapshot)
     if rows:
         attributes.loss_tracker(model).update_state(
             loss, sample_weight=next(i for i in tree.flatten(x) if i is not None).shape[0])
