@@ -23,12 +23,14 @@ Example:
 >>> import keras
 >>> class Counting(keras.layers.Layer):
 ...     def build(self, shape):
-...         self.seen = self.add_weight(shape=(), initializer="zeros", trainable=False, aggregation="sum")
-...         self.mean = self.add_weight(shape=(), initializer="zeros", trainable=False, aggregation="mean")
+...         self.seen = self.add_weight(shape=(), initializer="zeros", trainable=False, aggregation="sum",
+...                                     name="seen")
+...         self.mean = self.add_weight(shape=(), initializer="zeros", trainable=False, aggregation="mean",
+...                                     name="mean")
 >>> model = keras.Sequential([keras.Input((2,)), Counting(), keras.layers.Dense(1)])
 >>> summed, averaged = aggregated_state(model)
 >>> [variable.name for variable in summed], [variable.name for variable in averaged]
-(['variable'], ['variable_1'])
+(['seen'], ['mean'])
 """
 
 from __future__ import annotations

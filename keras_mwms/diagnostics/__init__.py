@@ -33,6 +33,9 @@ from keras_mwms.diagnostics import native
 from keras_mwms.diagnostics.ledger import LEDGER, Ledger
 from keras_mwms.diagnostics.watchdog import HANG_EXIT_CODE, Watchdog
 
+VERDICT_BEFORE_NATIVE_ABORT_SECONDS = 15.0
+"""A hang report's round and the exit after its verdict take well under this."""
+
 __all__ = ["HANG_EXIT_CODE", "LEDGER", "Ledger", "Watchdog", "active_watchdog", "confirm_lost",
            "on_escaping_error", "start", "stop"]
 
@@ -60,6 +63,11 @@ def start(backend: Any, labels: list[str] | None = None) -> Watchdog | None:
     threshold = getattr(backend.options, "hang_report_seconds", None)
     if backend.num_workers < 2 or not threshold or not LEDGER.enabled:
         return None
+    # A runtime that ends the job by itself, natively and with no verdict, after a peer has been
+    # silent this long (JAX's heartbeat, which follows timeout_seconds): report well before it.
+    abort = getattr(backend, "native_abort_seconds", None)
+    if abort:
+        threshold = min(threshold, max(1.0, abort - VERDICT_BEFORE_NATIVE_ABORT_SECONDS))
     addresses = list(backend.resolver.worker_addresses)
     try:
         watchdog = Watchdog(backend.worker_index, addresses, threshold, LEDGER,

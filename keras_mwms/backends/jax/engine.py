@@ -59,9 +59,7 @@ DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = 120.0
 # JAX's coordination service aborts every worker when one has sent no heartbeat for this long.
 # It follows `CommunicationOptions.timeout_seconds` (`heartbeat_timeout_seconds`), never below
 # this floor: a short stall of a loaded machine must not end a healthy job.
-MIN_HEARTBEAT_TIMEOUT_SECONDS = 10
-# A hang report's round and the exit after its verdict (well under this): the heartbeat waits them out.
-HANG_VERDICT_SECONDS = 15
+MIN_HEARTBEAT_TIMEOUT_SECONDS = 20
 SHUTDOWN_TIMEOUT_SECONDS = 20
 
 
@@ -146,6 +144,12 @@ class JaxBackend(Backend):
     @property
     def collective_timeout_seconds(self) -> float:
         return self.options.timeout_seconds or DEFAULT_COLLECTIVE_TIMEOUT_SECONDS
+
+    @property
+    def native_abort_seconds(self) -> float:
+        """After this long without a peer's heartbeat JAX aborts every worker natively; the hang
+        report must have named the peer before (`keras_mwms.diagnostics.start`)."""
+        return float(heartbeat_timeout_seconds(self.collective_timeout_seconds))
 
     # -- life cycle -----------------------------------------------------------------------
     def join(self) -> None:
@@ -449,8 +453,7 @@ def initialize_distributed(backend: Backend) -> bool:
         num_processes=backend.num_workers,
         process_id=backend.worker_index,
         initialization_timeout=int(max(10, backend.collective_timeout_seconds)),
-        heartbeat_timeout_seconds=heartbeat_timeout_seconds(backend.collective_timeout_seconds,
-                                                            backend.options.hang_report_seconds or 0.0),
+        heartbeat_timeout_seconds=heartbeat_timeout_seconds(backend.collective_timeout_seconds),
         shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_SECONDS,
         coordinator_bind_address=coordinator_bind_address(backend.resolver),
         # This worker's GPUs, always explicit on GPUs: left unset, JAX would infer them from
@@ -462,31 +465,26 @@ def initialize_distributed(backend: Backend) -> bool:
     return True
 
 
-def heartbeat_timeout_seconds(collective_timeout_seconds: float, hang_report_seconds: float = 0.0) -> int:
+def heartbeat_timeout_seconds(collective_timeout_seconds: float) -> int:
     """How long JAX's coordination service lets a worker go without a heartbeat before it aborts
     every worker (SIGABRT and XLA's C++ stack, no verdict): the collective timeout
     (`CommunicationOptions.timeout_seconds`, default `DEFAULT_COLLECTIVE_TIMEOUT_SECONDS`), at
-    least `MIN_HEARTBEAT_TIMEOUT_SECONDS`, and, with hang reports on, at least their threshold
-    plus `HANG_VERDICT_SECONDS`.
+    least `MIN_HEARTBEAT_TIMEOUT_SECONDS`.
 
-    One bound for a silent peer: a hung worker ends the job after `timeout_seconds`, as a
-    collective waiting on it would, and the hang report names it first: a peer cut off by the
-    network (or stopped) is then named by a verdict on every side, never only by JAX's native
-    abort, even where `timeout_seconds` is below the hang threshold. A 20 s heartbeat once
-    aborted a healthy 2-worker CI job whose host stalled. (JAX's `missed_heartbeat_callback`
-    cannot replace the abort: in jaxlib 0.10 a Python callback ends in `std::bad_cast`.)
+    One bound for a silent peer: a hung or cut-off worker ends the job after `timeout_seconds`,
+    as a collective waiting on it would, and the hang report names it first on every side: its
+    threshold is kept 15 s below this (`native_abort_seconds`,
+    `keras_mwms.diagnostics.start`), so the job never ends by JAX's native abort while hang
+    reports are on. A 20 s heartbeat once aborted a healthy 2-worker CI job whose host stalled.
+    (JAX's `missed_heartbeat_callback` cannot replace the abort: in jaxlib 0.10 a Python callback
+    ends in `std::bad_cast`.)
 
     Example:
 
     >>> heartbeat_timeout_seconds(DEFAULT_COLLECTIVE_TIMEOUT_SECONDS), heartbeat_timeout_seconds(30.5), heartbeat_timeout_seconds(2)
-    (120, 30, 10)
-    >>> heartbeat_timeout_seconds(10, hang_report_seconds=60), heartbeat_timeout_seconds(120, hang_report_seconds=60)
-    (75, 120)
+    (120, 30, 20)
     """
-    floor = MIN_HEARTBEAT_TIMEOUT_SECONDS
-    if hang_report_seconds:
-        floor = max(floor, int(hang_report_seconds + HANG_VERDICT_SECONDS))
-    return max(floor, int(collective_timeout_seconds))
+    return max(MIN_HEARTBEAT_TIMEOUT_SECONDS, int(collective_timeout_seconds))
 
 
 def coordinator_bind_address(resolver) -> str | None:

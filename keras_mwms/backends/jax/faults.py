@@ -148,7 +148,8 @@ class JaxFaults(Faults):
         only after the heartbeat timeout (`engine.heartbeat_timeout_seconds`), and its
         `get_live_nodes` is a barrier of the listed tasks (each must call it, the caller too).
         Such a peer is not named here: the hang report names it (a partition or a stopped peer:
-        "no answer"), before JAX's heartbeat, which waits the report out, would abort the job.
+        "no answer"), its threshold kept below JAX's heartbeat timeout, whose abort would end
+        the job natively (`JaxEngine.native_abort_seconds`).
         """
         here = socket.gethostname()
         ranks = [rank for rank in ranks if rank in self.peers]
