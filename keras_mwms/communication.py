@@ -74,8 +74,9 @@ class CommunicationOptions:
             (0: the backend's default packing).
         timeout_seconds: bound on every collective operation and on joining the backend engine;
             None uses the backend's default bound set by keras_mwms (never infinite). On JAX
-            it is also the coordination service's heartbeat timeout (at least 10 s): a worker
-            silent this long ends the job.
+            it is also the coordination service's heartbeat timeout (at least 20 s): a worker
+            silent this long ends the job, named by the hang report 15 s before (its threshold
+            is kept below that).
         implementation: a `CommunicationImplementation` or its name (`"AUTO"`, `"RING"`, `"NCCL"`).
         rendezvous_timeout_seconds: how long to wait for every worker to show up at start
             (default: `KERAS_MWMS_RENDEZVOUS_TIMEOUT`, else 120 s).
