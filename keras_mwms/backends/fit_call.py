@@ -161,8 +161,6 @@ def run(call: FitCall, hooks: FitHooks) -> Any:
     backend, model, arguments = call.backend, call.model, call.arguments
     if call.method in TRAINING:
         model_scope.require_created_in_scope(backend, model, call.method)
-    if call.method not in ON_THIS_WORKER and backend.num_workers > 1 and backend.uses(model):
-        loss_reduction.require_mean_reduced(backend, model, call.where)
     backend.check_tf_config_unchanged(stacklevel=3)
     if call.in_fit:
         return call.keras()
@@ -173,6 +171,8 @@ def run(call: FitCall, hooks: FitHooks) -> Any:
                 "keras_mwms strategy.scope(). Create the model (and compile it) under "
                 "`with strategy.scope():` to train on all workers.", stacklevel=3)
         return hooks.alone(call)
+    if call.method not in ON_THIS_WORKER:
+        loss_reduction.require_mean_reduced(backend, model, call.where)
     if not backend.is_chief and "verbose" in arguments:
         arguments["verbose"] = 0
     with hooks.guard(call):

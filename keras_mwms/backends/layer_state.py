@@ -11,12 +11,13 @@ each declaration one process's meaning after every train step:
 * `"none"` / `"only_first_replica"` (Keras' default is `"none"`): untouched; a value that then
   differs between workers is caught by the workers-agree check at the end of `fit`.
 
-TensorFlow merges replicas itself (`tf.distribute`'s mirrored variables): keras_mwms makes a
-summed assignment add its change there (`backends/tensorflow/step.RowWeighting.summed_state_assign`)
-and TF's MEAN averages the replicas. JAX's DataParallel path computes the step on the global
-batch, so the state is one process's already. The torch step and JAX's flat step combine the
-variables this module lists: averaged ones ride with the BatchNormalization statistics
-(row-weighted), summed ones in one all-reduce of their changes after the step.
+TensorFlow merges replicas itself (`tf.distribute`'s mirrored variables): keras_mwms makes an
+assignment in a step add this replica's change there, weighted by its row share for `"mean"`
+(`backends/tensorflow/layer_state.aggregated_state_assign`). JAX's DataParallel path computes
+the step on the global batch, so the state is one process's already. The torch step and JAX's
+flat step combine the variables this module lists: averaged ones ride with the
+BatchNormalization statistics (row-weighted), summed ones in one collective of their changes
+after the step (torch: an all-reduce; JAX: an all-gather summed in worker order).
 
 Example:
 

@@ -246,16 +246,21 @@ def _batch_norm_statistics_indices(model) -> list[int]:
     (`keras_mwms.backends.layer_state`): averaged across workers, weighted by rows."""
     from keras.layers import BatchNormalization
 
-    wanted = {id(variable) for variable in layer_state.aggregated_state(model)[1]}
+    wanted = list(layer_state.aggregated_state(model)[1])
     for layer in attributes.flatten_layers(model):
         if isinstance(layer, BatchNormalization) and layer.trainable:
-            wanted |= {id(layer.moving_mean), id(layer.moving_variance)}
-    return [i for i, variable in enumerate(model.non_trainable_variables) if id(variable) in wanted]
+            wanted += [layer.moving_mean, layer.moving_variance]
+    return _non_trainable_indices(model, wanted)
 
 
 def _summed_state_indices(model) -> list[int]:
     """The layers' own `aggregation="sum"` state: every worker's change is added after the step."""
-    wanted = {id(variable) for variable in layer_state.aggregated_state(model)[0]}
+    return _non_trainable_indices(model, layer_state.aggregated_state(model)[0])
+
+
+def _non_trainable_indices(model, variables: list) -> list[int]:
+    """Where `variables` sit in `model.non_trainable_variables` (the step state's order)."""
+    wanted = {id(variable) for variable in variables}
     return [i for i, variable in enumerate(model.non_trainable_variables) if id(variable) in wanted]
 
 
@@ -353,8 +358,7 @@ class FlatTrainStep:
         # The layers' summed state: this worker's change (none from a dummy row), read before the
         # apply takes the local values over.
         changes = [np.asarray(new_non_trainable[i]) - np.asarray(non_trainable[i]) if rows
-                   else np.zeros(np.shape(non_trainable[i]), np.asarray(non_trainable[i]).dtype)
-                   for i in self._summed_state]
+                   else np.zeros_like(np.asarray(non_trainable[i])) for i in self._summed_state]
         trainable, new_non_trainable, optimizer_variables, global_logs = self._apply(
             trainable, new_non_trainable, optimizer_variables, new_metrics, sums, reduced, accumulated, update)
         if self._summed_state:

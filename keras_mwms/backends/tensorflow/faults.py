@@ -81,7 +81,7 @@ class TensorFlowFaults(Faults):
         if self.backend.num_workers == 2:
             return [1 - me]
         if (me != 0 and isinstance(error, tf.errors.DeadlineExceededError)
-                and getattr(self.backend, "collective_timeout_seconds", None) is None):
+                and self.backend.collective_timeout_seconds is None):
             return [0]
         return []
 

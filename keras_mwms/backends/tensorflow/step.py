@@ -265,14 +265,13 @@ class RowWeighting:
                     WIRE.trace("row count", 4)
                     global_rows = context.all_reduce(tf.distribute.ReduceOp.SUM, rows)
                     self._replica.factor = tf.math.divide_no_nan(rows * replicas, global_rows)
-                    self._replica.share = tf.math.divide_no_nan(
-                        rows * context.num_replicas_in_sync, global_rows)
+                    self._replica.counted = (rows, global_rows)
                 try:
                     return fn(*step_args, **step_kwargs)
                 finally:
                     self._replica.factor = None
                     self._replica.rows = None
-                    self._replica.share = None
+                    self._replica.counted = None
 
             return original(replica_step, *args, **kwargs)
 
@@ -303,14 +302,15 @@ class RowWeighting:
         batch to count); the fast path learns the global rows with one scalar all-reduce."""
         import tensorflow as tf
 
-        share = getattr(self._replica, "share", None)
-        if share is not None:
-            return share
-        rows = getattr(self._replica, "rows", None)
-        if rows is None:
-            return tf.constant(1.0)
-        WIRE.trace("row count", 4)
-        global_rows = context.all_reduce(tf.distribute.ReduceOp.SUM, rows)
+        counted = getattr(self._replica, "counted", None)
+        if counted is not None:
+            rows, global_rows = counted
+        else:
+            rows = getattr(self._replica, "rows", None)
+            if rows is None:
+                return tf.constant(1.0)
+            WIRE.trace("row count", 4)
+            global_rows = context.all_reduce(tf.distribute.ReduceOp.SUM, rows)
         return tf.math.divide_no_nan(rows * context.num_replicas_in_sync, global_rows)
 
     def apply_after_all_reduce(self, original: Callable) -> Callable:

@@ -121,8 +121,7 @@ def add_every_workers_change(backend: TorchEngine, variables: list, before: list
     rows in the step stepped on a dummy row: its change is none."""
     changes = [variable.value.detach() - old if has_rows else torch.zeros_like(old)
                for variable, old in zip(variables, before)]
-    with backend.guarded("layer state all-reduce"):
-        totals = backend.all_reduce_flat(changes, "sum", what="layer state all-reduce")
+    totals = backend.all_reduce_flat(changes, "sum", what="layer state all-reduce")
     for variable, old, total in zip(variables, before, totals):
         variable.value.data.copy_(old + total)
 
