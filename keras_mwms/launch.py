@@ -53,7 +53,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from keras_mwms import devices, settings
@@ -217,12 +217,16 @@ class Gang:
         extra_env: variables added to every worker's environment.
         worker_env: variables added to one worker's environment, by worker index (for
             fault injection and tests).
+        start_process: how a worker process is started: `subprocess.Popen` (the default) or a
+            function taking the same arguments and answering an object with its `pid`,
+            `stdout`, `poll`, `wait` and `returncode` (a test suite's pre-imported workers).
     """
 
     def __init__(self, command: Sequence[str], workers: int, host: str = "localhost",
                  port_base: int | None = None, grace_period: float = DEFAULT_GRACE_PERIOD_SECONDS,
                  attempt: int = 0, extra_env: dict[str, str] | None = None,
-                 worker_env: dict[int, dict[str, str]] | None = None):
+                 worker_env: dict[int, dict[str, str]] | None = None,
+                 start_process: Callable[..., subprocess.Popen] = subprocess.Popen):
         if workers < 1:
             raise ValueError(f"--workers must be at least 1, got {workers}")
         self.command = list(command)
@@ -236,6 +240,7 @@ class Gang:
         self.attempt = attempt
         self.extra_env = dict(extra_env or {})
         self.worker_env = {index: dict(env) for index, env in (worker_env or {}).items()}
+        self.start_process = start_process
         self.running: list[WorkerProcess] = []
         self._output_lock = threading.Lock()
 
@@ -273,7 +278,7 @@ class Gang:
         """Starts every worker; their merged stdout/stderr go to `output` line by line."""
         output = output or sys.stdout
         for index in range(self.workers):
-            process = subprocess.Popen(
+            process = self.start_process(
                 self.command, env=self._environment(index), stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=_die_with_parent,

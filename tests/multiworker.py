@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from keras_mwms.launch import Gang, _die_with_parent, find_free_ports
+from tests import preloaded
 
 # How many independent runs `concurrently` starts at once by default: on 2 cores, three runs that
 # each leave a core idle part of the time (a restart, a sleep, a lone reference) keep both busy.
@@ -104,7 +105,7 @@ def run_gang(command: Sequence[str], workers: int, timeout: float, env: dict[str
     """
     capture = _Capture()
     gang = Gang(list(command), workers, grace_period=grace_period, extra_env=env or {},
-                worker_env=per_worker_env)
+                worker_env=per_worker_env, start_process=preloaded.popen)
     try:
         gang.start(capture)
         try:
@@ -150,8 +151,10 @@ def watch_gang(command: Sequence[str], workers: int, deadline: float, env: dict[
     unique to this run's command line, finds processes left behind afterwards.
     """
     capture = _Capture()
+    # A marker is looked for in command lines afterwards: a fresh process carries its own, a
+    # forked one its preloaded process's (tests/preloaded.py).
     gang = Gang(list(command), workers, grace_period=grace_period, extra_env=env or {},
-                worker_env=per_worker_env)
+                worker_env=per_worker_env, start_process=subprocess.Popen if marker else preloaded.popen)
     wait_for = set(range(workers)) if wait_for is None else wait_for
     exit_times: dict[int, float] = {}
     started = time.time()
@@ -277,10 +280,10 @@ def run_processes(spawns: Sequence[Spawn], timeout: float, grace_after_failure: 
 
     try:
         for spawn, sink in zip(spawns, chunks):
-            process = subprocess.Popen([*spawn.prefix, *spawn.argv], cwd=cwd, env={**base, **spawn.env},
-                                       stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, start_new_session=True,
-                                       preexec_fn=_die_with_parent)
+            process = preloaded.popen([*spawn.prefix, *spawn.argv], cwd=cwd, env={**base, **spawn.env},
+                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, start_new_session=True,
+                                      preexec_fn=_die_with_parent)
             processes.append(process)
             pumps.append(threading.Thread(target=_pump, args=(process.stdout, sink), daemon=True))
             pumps[-1].start()

@@ -27,6 +27,8 @@ from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
+from tests import preloaded
+
 REPO = Path(__file__).resolve().parent.parent
 OUTPUT = REPO / "build" / "suite-budget"
 SAMPLE_SECONDS = 0.5
@@ -34,8 +36,10 @@ SLOWEST_SHOWN = 8   # the slowest jobs of each kind of work beside the files, in
 
 
 def _children_cpu_seconds() -> float:
+    """CPU of every process this one started and reaped, and of the workers forked for it
+    by preloaded processes (`tests.preloaded`, which reap them)."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+    return usage.ru_utime + usage.ru_stime + preloaded.reaped_cpu_seconds()
 
 
 def _own_cpu_seconds() -> float:
@@ -231,6 +235,7 @@ class SuiteBudget:
             if jobs:
                 lines.append("  slowest jobs (s, summed over runners): "
                              + ", ".join(f"{name} {seconds:.0f}" for name, seconds in jobs[:SLOWEST_SHOWN]))
+        lines.append(f"test workers: {preloaded.summary()}")
         lines.append(f"pytest wall from session start: {time.monotonic() - self.started:.0f} s")
         return "\n".join(lines)
 

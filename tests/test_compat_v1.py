@@ -9,7 +9,7 @@ import json
 import pytest
 
 from keras_mwms.startup.cluster import TFConfigClusterResolver
-from tests.multiworker import python_worker, run_gang, worker_env
+from tests.multiworker import python_worker, watch_gang, worker_env
 from tests.shared_gangs import SHARED, gang
 from tests.workers.common import load_result
 
@@ -70,8 +70,9 @@ def test_ps_tasks_are_ignored_with_a_warning():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_strategy_after_the_backend_ran_is_handled_or_explained(backend):
-    gang = run_gang(python_worker("late_strategy.py"), 2, timeout=300, env=worker_env(backend, lean=True))
-    outcomes = [line for worker in (0, 1) for line in gang.lines(worker) if line.startswith("RESULT")]
+    # Each worker ends on its own: a failed chief must not stop the other before it reports.
+    gang = watch_gang(python_worker("late_strategy.py"), 2, deadline=300, env=worker_env(backend, lean=True))
+    outcomes = [line for worker in (0, 1) for line in gang.lines(worker).splitlines() if line.startswith("RESULT")]
     assert len(outcomes) == 2, gang.output[-6000:]
     if backend == "torch":  # torch needs no start-up configuration: it simply works
         assert all(line == "RESULT ok 2" for line in outcomes), outcomes
@@ -81,9 +82,9 @@ def test_strategy_after_the_backend_ran_is_handled_or_explained(backend):
 
 
 def test_a_torch_process_group_that_contradicts_tf_config_is_a_clear_error():
-    gang = run_gang(python_worker("late_strategy.py", "--own-process-group"), 2, timeout=300,
-                    env=worker_env("torch", lean=True))
-    outcomes = [line for worker in (0, 1) for line in gang.lines(worker) if line.startswith("RESULT")]
+    gang = watch_gang(python_worker("late_strategy.py", "--own-process-group"), 2, deadline=300,
+                      env=worker_env("torch", lean=True))
+    outcomes = [line for worker in (0, 1) for line in gang.lines(worker).splitlines() if line.startswith("RESULT")]
     assert len(outcomes) == 2, gang.output[-6000:]
     for line in outcomes:
         assert line.startswith("RESULT error RuntimeError"), line
