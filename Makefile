@@ -6,7 +6,7 @@ STAMP := $(VENV)/.keras_mwms-installed
 # The slowest cases are listed at the end of every run, so CI logs show where the time goes.
 PYTEST_ARGS ?= --durations=25
 
-.PHONY: install test lint demo guides bench-quick version-smoke keras-nightly gpu-check-bundle gpu-check clean
+.PHONY: install test lint docs demo guides bench-quick version-smoke keras-nightly gpu-check-bundle gpu-check clean
 
 install: $(STAMP)
 
@@ -14,7 +14,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[tensorflow-cpu,jax,torch,ray,dev]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[tensorflow-cpu,jax,torch,ray,dev,docs]"
 	# The benchmark's tf-keras peer runs on tensorflow-cpu; its declared `tensorflow` would be a
 	# second, 600 MB TensorFlow (and 2 more minutes) over the same module.
 	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt tf-keras
@@ -50,6 +50,11 @@ lint: install
 # Every runnable guide in its short smoke mode, on every backend (as CI does in `make test`).
 guides: install
 	$(BIN)/python -m pytest tests/test_guides.py
+
+# The documentation site (mkdocs.yml, docs/) into build/site; strict, so any warning fails it
+# (NO_MKDOCS_2_WARNING silences the theme's MkDocs 2 banner, not a warning of the build).
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --site-dir build/site
 
 demo: install
 	$(BIN)/python -m keras_mwms.launch --workers 2 -m keras_mwms.demo

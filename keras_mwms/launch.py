@@ -374,7 +374,10 @@ class Launcher:
         port_base: fixed first port, or None for free ports on every attempt.
         grace_period: seconds between SIGTERM and SIGKILL.
         log: where the launcher's own messages go (stderr by default).
+        output: where the workers' merged, `[worker i]`-prefixed output goes (stdout by default).
         worker_env: variables added to one worker's environment, by worker index (its GPUs).
+        no_progress_seconds: how long no worker may finish a step before the launcher collects
+            a hang report from every worker (`--no-progress-seconds`; None: never).
         min_workers: the fewest workers a gang may shrink to (None: never shrink).
         shrink_after: failures in a row of one worker after which the gang loses a worker.
         report: print where each worker's time went after every run, not only a failed one,

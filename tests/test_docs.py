@@ -1,4 +1,4 @@
-"""Every code block of README.md and guides/*.md runs as written, or says why it cannot.
+"""Every code block of README.md, guides/*.md and the site's pages (docs/) runs as written, or says why it cannot.
 
 A fenced block is one of:
 
@@ -32,7 +32,7 @@ import pytest
 from keras_mwms.startup.cluster import TFConfigClusterResolver
 from tests.multiworker import REPO, worker_env
 
-DOCUMENTS = [REPO / "README.md", *sorted((REPO / "guides").glob("*.md"))]
+DOCUMENTS = [REPO / "README.md", *sorted((REPO / "guides").glob("*.md")), *sorted((REPO / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```[ \t]*$", re.S | re.M)
 MARK = re.compile(r"<!-- (not run|continues)(?::\s*(.*?))? -->[ \t]*\n*$")
 LANGUAGES = {"python", "bash", "json", "yaml", "text"}
