@@ -59,7 +59,7 @@ class CommunicationOptions:
     """How workers talk: engine, collective timeout, packing; mirrors `tf.distribute.experimental.CommunicationOptions`.
 
     An argument left as None is filled from its `KERAS_MWMS_*` environment variable, else
-    its default (Keras' precedence: argument > environment > default; the README's table of
+    its default (Keras' precedence: argument > environment > default; the docs' table of
     variables lists them); an argument you pass wins over the environment.
 
     Example:

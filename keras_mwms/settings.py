@@ -8,7 +8,7 @@ argument wins, the environment fills an argument left as None, the default comes
 cluster raise its subclass `ClusterEnvironmentError`, as the orchestrators' variables do.
 
 Some variables are written by the launcher (or the benchmark driver) for the workers it starts;
-it writes them under `Setting.name`, and the workers read them here like any other. The README's
+it writes them under `Setting.name`, and the workers read them here like any other. The docs'
 table of variables is generated from `SETTINGS` (`markdown_table`), and `tests/test_settings.py`
 keeps the two equal.
 
@@ -52,7 +52,7 @@ class Setting:
             above 0; 0 too when `zero_turns_off`), `CHOICE` (one of `choices`, any case, `-`
             read as `_`) or `TEXT`.
         default: what `read` returns when the variable is unset or blank.
-        meaning: what it does, one sentence for the README's table.
+        meaning: what it does, one sentence for the docs' table (docs/messages.md).
         fills: the argument it fills when that is left as None (empty: none).
         set_by: who writes it for the processes it starts (empty: only the user).
         choices: the accepted values of a `CHOICE`.
@@ -169,7 +169,7 @@ def _describe_kind(setting: Setting) -> str:
 
 
 def markdown_table() -> str:
-    """The README's table of every variable, generated from `SETTINGS`.
+    """The table of every variable (docs/messages.md, filled in at the site's build), generated from `SETTINGS`.
 
     Example:
 

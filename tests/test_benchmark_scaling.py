@@ -2,7 +2,7 @@
 
 The synthetic run is generated from a known α-β model, so the analysis must find that model
 again and predict the measured points exactly; the real sweep is `--workers 2,3,4` (see
-README, Performance), too long for CI.
+docs/performance.md), too long for CI.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ so an engine that advertises a loopback or host-name address to its peer, or lis
 wrong interface, fails here while it passes on localhost. For every backend one run of
 `tests/workers/two_hosts_fit.py` trains across the two namespaces; the tests assert both
 workers end bit-identical, equal to a single process on the same global batches, and which
-addresses each engine listens on (see the README's Security section). A partition: for every
+addresses each engine listens on (see docs/security.md). A partition: for every
 backend a gang whose worker 1 takes its own link down mid-fit (`tests/workers/partition_fit.py`)
 must end on both sides, each naming the other and the step, without a native abort, soon after
 the hang threshold (the three gangs run at once, each in its own pair of namespaces).
@@ -176,7 +176,7 @@ def host_of(listening: str) -> str:
 
 
 def test_each_engine_listens_where_the_readme_says(across):
-    """The README's bind table: TF on every interface, torch and JAX on the TF_CONFIG host only."""
+    """docs/security.md's bind table: TF on every interface, torch and JAX on the TF_CONFIG host only."""
     assert across.codes == [0, 0], across.output[-8000:]
     for index in (0, 1):
         own = across.hosts.addresses[index]

@@ -62,7 +62,7 @@ OPEN_LOG_DIFFERENCES = {
     # TensorFlow sums every metric state across workers (tf.distribute's sync-on-read
     # variables): a running maximum logs the sum of the workers' maxima.
     ("tensorflow", "custom_max_metric"): {"largest_error", "val_largest_error"},
-    # torch: README's known gap of a custom train_step's own loss tracker, which weighs the
+    # torch: the known gap (docs/semantics.md) of a custom train_step's own loss tracker, which weighs the
     # workers equally on a step split unevenly (the last global batch of 4 rows splits 4/0);
     # its warning is said once per process, so in the warm gang only custom_train_step, the
     # first such variant, shows it.
@@ -359,7 +359,7 @@ def test_keras_own_callbacks_write_the_files_of_one_process_once(runs, variant):
 def test_a_custom_maximum_metric_is_the_maximum_over_all_rows(runs):
     """A custom Metric whose state is a running maximum (`running_max`): `evaluate` logs one
     process's maximum on every worker (fit's logs: `test_variant_matches_one_process_of_plain_keras`).
-    TensorFlow still sums the workers' states (a known gap, README)."""
+    TensorFlow still sums the workers' states (a known gap, docs/semantics.md)."""
     variant = "custom_max_metric"
     expected = runs.reference(variant)["evaluate"]["largest_error"]
     got = [runs.result(variant, worker)["evaluate"]["largest_error"] for worker in range(2)]

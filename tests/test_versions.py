@@ -1,4 +1,4 @@
-"""The supported releases: declared once, honoured by every patch row, pyproject and the README.
+"""The supported releases: declared once, honoured by every patch row, pyproject, the README and docs/compatibility.md.
 
 `keras_mwms.backends.patches` declares the range (`SUPPORTED_KERAS`, `SUPPORTED_BACKENDS`);
 these tests hold everything else to it without any gang or ML framework at work (Keras and the
@@ -268,7 +268,7 @@ def test_a_pre_release_counts_as_the_series_it_leads_to(installed):
         table.install()
 
 
-# -- declared once: pyproject, constraints and README agree with the table ---------------------
+# -- declared once: pyproject, constraints, README and docs agree with the table ---------------------
 
 def test_pyproject_declares_the_same_range():
     text = (REPO / "pyproject.toml").read_text()

@@ -12,7 +12,7 @@ every worker, before any collective, naming the loss and the fix.
 
 A loss *function* that returns one number for the whole batch cannot be told apart: Keras
 reduces nothing and neither can keras_mwms, which takes it as a mean over the rows (right for
-`ops.mean(...)`, not for `ops.sum(...)`: README › Known gaps).
+`ops.mean(...)`, not for `ops.sum(...)`: docs/semantics.md › Known gaps).
 
 Example:
 

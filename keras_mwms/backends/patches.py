@@ -10,7 +10,7 @@ uninstalls it, restoring every original exactly.
 
 The supported releases are declared once, here: `SUPPORTED_KERAS` (Keras minor releases,
 each tested at its newest patch release) and `SUPPORTED_BACKENDS`; pyproject.toml and the
-README's compatibility table say the same (`tests/test_versions.py` checks that they agree).
+docs/compatibility.md say the same (`tests/test_versions.py` checks that they agree).
 Every row declares the Keras releases it serves (`keras_versions`, the whole range unless a
 release differs) and, where an internal differs between releases, a feature test (`applies`,
 e.g. `KerasHas(target)`) picks the row that fits: one row per behaviour, selected by what
