@@ -2,10 +2,11 @@
 
 A fenced block is one of:
 
-* ```python: run in a fresh process (single worker, torch), in an empty folder. A block right
-  after `<!-- continues -->` runs in the same process after the python block before it, so a
-  guide's *After* blocks run top to bottom as one script. A block starting `# train.py` is the
-  file the bash blocks launch: the README's Quick start;
+* ```python: run in a process of its own (single worker, torch; forked after its imports,
+  `tests/preloaded.py`), in an empty folder. A block right after `<!-- continues -->` runs in
+  the same process after the python block before it, so a guide's *After* blocks run top to
+  bottom as one script. A block starting `# train.py` is the file the bash blocks launch: the
+  README's Quick start;
 * ```bash: run by bash in a folder holding the Quick start's `train.py`, with this venv's
   `python` and `keras-mwms` first on PATH: the README's launch line on 2 local workers of every
   backend, the others on torch;
@@ -30,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from keras_mwms.startup.cluster import TFConfigClusterResolver
-from tests.multiworker import REPO, worker_env
+from tests.multiworker import REPO, Spawn, run_processes, worker_env
 
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "guides").glob("*.md")), *sorted((REPO / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```[ \t]*$", re.S | re.M)
@@ -129,8 +130,9 @@ def test_every_block_is_run_or_says_why():
 @pytest.mark.torch
 @pytest.mark.parametrize("name,code", python_scripts(), ids=[name for name, _ in python_scripts()])
 def test_python_block_runs(name, code, tmp_path):
-    ran = _run([sys.executable, "-c", code], "torch", tmp_path)
-    assert ran.returncode == 0, f"{name}:\n{ran.stdout[-3000:]}\n{ran.stderr[-5000:]}"
+    # A process of its own (forked after the imports where it can be: tests/preloaded.py).
+    ran = run_processes([Spawn([sys.executable, "-c", code], worker_env("torch"))], timeout=RUN_TIMEOUT, cwd=tmp_path)
+    assert ran.codes == [0], f"{name}:\n{ran.log(8000)}"
 
 
 @pytest.mark.slow
