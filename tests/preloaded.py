@@ -56,6 +56,7 @@ READ_LATER = ("TF_CONFIG", "KERAS_MWMS_", "PYTHONUNBUFFERED", "TF_XLA_FLAGS", "X
 # process forked with it would hold a copy of a lock without its owner. Off in the preloaded
 # process only (the children allocate as they would, minus that thread).
 SINGLE_THREADED = {"JE_ARROW_MALLOC_CONF": "background_thread:false"}
+MAX_RUNNING = 6         # preloaded processes alive at once (the suite's environments: about 12)
 START_TIMEOUT = 120     # seconds for a preloaded process to import and answer (3-5 s here)
 ANSWER_TIMEOUT = 30     # seconds for a running one to answer a request with the child's pid
 
@@ -147,15 +148,17 @@ class _Preloaded:
     """One running preloaded process (client side)."""
 
     def __init__(self, env: dict[str, str]):
+        self.environment = env
         self.folder = tempfile.mkdtemp(prefix="preloaded-")
         self.address = os.path.join(self.folder, "socket")
         self.process = subprocess.Popen(
-            [sys.executable, "-u", __file__, self.address], env={**env, **SINGLE_THREADED}, cwd=REPO,
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent)
+            [sys.executable, "-u", __file__, self.address, str(os.getpid())], env={**env, **SINGLE_THREADED},
+            cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.ready: bool | None = None
         self.startup_output = ""
         self.forked = 0
+        self.children: list[ForkedProcess] = []
+        self.last_used = time.monotonic()
         self.lock = threading.Lock()   # one caller waits for "ready"; the others wait for it
 
     def wait_ready(self) -> bool:
@@ -208,11 +211,24 @@ class _Preloaded:
 _preloaded: dict[tuple, _Preloaded] = {}
 _lock = threading.Lock()
 _reaped_cpu = [0.0]
+_stopped: list = []   # preloaded processes stopped to make room, kept for the summary
 
 
 def _count_cpu(seconds: float) -> None:
     with _lock:
         _reaped_cpu[0] += seconds
+
+
+def _stop_idle_beyond(count: int) -> None:
+    """Stops the least recently used preloaded processes with no running child until at most
+    `count` run (each holds its imports' memory, 0.3-0.8 GB here). Called under `_lock`."""
+    running = [item for item in _preloaded.items() if item[1].ready and item[1].process.poll() is None]
+    running.sort(key=lambda item: item[1].last_used)
+    for key, preloaded in running[:max(0, len(running) - count)]:
+        if not any(child.poll() is None for child in preloaded.children):
+            preloaded.stop()
+            del _preloaded[key]
+            _stopped.append(preloaded)
 
 
 def reaped_cpu_seconds() -> float:
@@ -224,11 +240,19 @@ def reaped_cpu_seconds() -> float:
 def summary() -> str:
     """One line for the suite's time table: how many workers were forked, from how many
     preloaded processes, and how many fell back to a fresh start."""
-    ready = [preloaded for preloaded in _preloaded.values() if preloaded.ready]
+    every = [*_preloaded.values(), *_stopped]
+    ready = [preloaded for preloaded in every if preloaded.ready]
     forked = sum(preloaded.forked for preloaded in ready)
-    refused = len(_preloaded) - len(ready)
+    refused = len(every) - len(ready)
     return (f"{forked} workers forked from {len(ready)} preloaded processes (start-up paid once each)"
             + (f"; {refused} environment(s) could not preload and started fresh" if refused else ""))
+
+
+def details() -> list[dict]:
+    """Per preloaded process: its import-time variables, whether it forked, how many children."""
+    return [{"environment": dict(import_time_key(preloaded.environment)), "ready": preloaded.ready,
+             "forked": preloaded.forked, "running": preloaded.process.poll() is None}
+            for preloaded in [*_preloaded.values(), *_stopped]]
 
 
 @atexit.register
@@ -241,11 +265,17 @@ def _preloaded_for(env: dict[str, str]) -> _Preloaded | None:
     key = import_time_key(env)
     with _lock:
         if key not in _preloaded:
+            _stop_idle_beyond(MAX_RUNNING - 1)
             _preloaded[key] = _Preloaded({name: value for name, value in env.items()
                                           if name not in ("TF_CONFIG",)})
         preloaded = _preloaded[key]
     with preloaded.lock:
-        return preloaded if preloaded.wait_ready() else None
+        if preloaded.wait_ready() and preloaded.process.poll() is not None:   # it died: start another
+            with _lock:
+                if _preloaded.get(key) is preloaded:
+                    del _preloaded[key]
+            return _preloaded_for(env)
+        return preloaded if preloaded.ready else None
 
 
 def popen(argv, env: dict[str, str], cwd=None, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -258,18 +288,24 @@ def popen(argv, env: dict[str, str], cwd=None, stdin=subprocess.DEVNULL, stdout=
     fresh = (command is None or os.environ.get(FRESH_ENV) == "1" or stdout is not subprocess.PIPE
              or stderr is not subprocess.STDOUT or stdin is not subprocess.DEVNULL or not start_new_session)
     preloaded = None if fresh else _preloaded_for(env)
+    if preloaded is not None:
+        read_end, write_end = os.pipe()
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        try:
+            pid, connection, rest = preloaded.fork(command, env, str(cwd or os.getcwd()), devnull, write_end)
+        except OSError:   # it ended meanwhile (the next request starts another): start this one fresh
+            os.close(read_end)
+            preloaded = None
+        finally:
+            os.close(write_end)
+            os.close(devnull)
     if preloaded is None:
         return subprocess.Popen(argv, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr,
                                 start_new_session=start_new_session, preexec_fn=preexec_fn)
-    read_end, write_end = os.pipe()
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    try:
-        pid, connection, rest = preloaded.fork(command, env, str(cwd or os.getcwd()), devnull, write_end)
-    finally:
-        os.close(write_end)
-        os.close(devnull)
     preloaded.forked += 1
     process = ForkedProcess(pid, connection, os.fdopen(read_end, "rb"), argv)
+    preloaded.children = [child for child in preloaded.children if child.poll() is None] + [process]
+    preloaded.last_used = time.monotonic()
     process._pending = rest
     return process
 
@@ -277,7 +313,11 @@ def popen(argv, env: dict[str, str], cwd=None, stdin=subprocess.DEVNULL, stdout=
 # ---------------------------------------------------------------- the preloaded process itself
 
 
-def _serve(address: str) -> None:
+def _serve(address: str, parent: int) -> None:
+    """Imports, then forks a child per request until `parent` (the test session) is gone.
+
+    The session is watched by its pid, not by a parent-death signal: that signal follows the
+    *thread* that started this process, and sessions start it from short-lived pool threads."""
     import keras  # noqa: F401  (the imports every worker would pay; keras_mwms.launch is imported above)
 
     import keras_mwms  # noqa: F401
@@ -291,6 +331,8 @@ def _serve(address: str) -> None:
     print("ready", flush=True)
     children: dict[int, socket.socket] = {}
     while True:
+        if os.getppid() != parent:
+            return   # the children die with this process (their parent-death signal)
         readable, _, _ = select.select([listener], [], [], 0.05)
         if readable:
             connection, _ = listener.accept()
@@ -426,4 +468,4 @@ def _exit_code(value) -> int:
 
 if __name__ == "__main__":
     del sys.path[0]   # this folder: a worker's sys.path starts with its own script's folder
-    _serve(sys.argv[1])
+    _serve(sys.argv[1], int(sys.argv[2]))

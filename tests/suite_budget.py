@@ -248,6 +248,8 @@ class SuiteBudget:
         OUTPUT.parent.mkdir(exist_ok=True)
         OUTPUT.with_suffix(".txt").write_text(self.table() + "\n")
         OUTPUT.with_suffix(".json").write_text(json.dumps(self.rows(), indent=1) + "\n")
+        # Which import-time environments the test workers were forked from (tests/preloaded.py).
+        OUTPUT.with_name("suite-preloaded.json").write_text(json.dumps(preloaded.details(), indent=1) + "\n")
 
     def pytest_unconfigure(self, config) -> None:
         if SuiteBudget.current is self:
