@@ -51,7 +51,9 @@ FRESH_ENV = "KERAS_MWMS_TEST_FRESH_PROCESSES"
 # start-up): a child forked after those imports must have the values its preloaded process had.
 IMPORT_TIME_PREFIXES = ("KERAS_", "TF_", "JAX_", "XLA_", "PYTHON", "OMP_", "MKL_", "CUDA_", "TORCH_",
                         "LD_", "TPU_", "NVIDIA_", "HIP_", "ROCR_")
-READ_LATER = ("TF_CONFIG", "KERAS_MWMS_", "PYTHONUNBUFFERED", "TF_XLA_FLAGS", "XLA_FLAGS")
+# ... except these, read when the strategy starts (a worker's identity, its GPUs, XLA's flags).
+READ_LATER = ("TF_CONFIG", "KERAS_MWMS_", "PYTHONUNBUFFERED", "TF_XLA_FLAGS", "XLA_FLAGS", "CUDA_VISIBLE_DEVICES",
+              "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 # pyarrow (imported by Keras through pandas) starts jemalloc's background thread at load; a
 # process forked with it would hold a copy of a lock without its owner. Off in the preloaded
 # process only (the children allocate as they would, minus that thread).
@@ -99,6 +101,7 @@ class ForkedProcess:
         self._connection = connection
         self._pending = b""
         self._lock = threading.Lock()
+        self.owner: _Preloaded | None = None
 
     def poll(self) -> int | None:
         return self._read_status(0.0)
@@ -124,6 +127,8 @@ class ForkedProcess:
                     status, cpu = self._pending.split(b"\n")[0].split()
                     self.returncode = os.waitstatus_to_exitcode(int(status))
                     _count_cpu(float(cpu))
+                    if self.owner is not None:
+                        self.owner.children_cpu += float(cpu)
                 elif not chunk:   # the preloaded process died: its children died with it
                     self.returncode = -signal.SIGKILL
                 if self.returncode is not None:
@@ -157,6 +162,7 @@ class _Preloaded:
         self.ready: bool | None = None
         self.startup_output = ""
         self.forked = 0
+        self.children_cpu = 0.0   # reported by it for its ended children (it reaped them)
         self.children: list[ForkedProcess] = []
         self.last_used = time.monotonic()
         self.lock = threading.Lock()   # one caller waits for "ready"; the others wait for it
@@ -204,12 +210,16 @@ class _Preloaded:
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()
+        # Reaping it added its reaped children's CPU to this process's RUSAGE_CHILDREN, which
+        # `reaped_cpu_seconds()` already counted: once only.
+        _count_cpu(-self.children_cpu)
+        self.children_cpu = 0.0
         if self.ready is False:
             self.process.stdout.close()
 
 
 _preloaded: dict[tuple, _Preloaded] = {}
-_lock = threading.Lock()
+_lock = threading.RLock()   # re-entered: stopping one under it counts CPU under it
 _reaped_cpu = [0.0]
 _stopped: list = []   # preloaded processes stopped to make room, kept for the summary
 
@@ -304,6 +314,7 @@ def popen(argv, env: dict[str, str], cwd=None, stdin=subprocess.DEVNULL, stdout=
                                 start_new_session=start_new_session, preexec_fn=preexec_fn)
     preloaded.forked += 1
     process = ForkedProcess(pid, connection, os.fdopen(read_end, "rb"), argv)
+    process.owner = preloaded
     preloaded.children = [child for child in preloaded.children if child.poll() is None] + [process]
     preloaded.last_used = time.monotonic()
     process._pending = rest

@@ -103,6 +103,11 @@ def tensorflow_slurm():
 def test_matches_tensorflow_on_random_steps(tensorflow_slurm, monkeypatch):
     # Our resolver also marks the GPUs it gives a task (KERAS_MWMS_GPUS_PER_WORKER): undone at the end.
     monkeypatch.setenv("KERAS_MWMS_GPUS_PER_WORKER", "")
+    # Both resolvers narrow CUDA_VISIBLE_DEVICES in os.environ (TensorFlow's again in its later
+    # calls): recorded here so that the end of the test restores it, whatever the last case left
+    # (it leaked "0,1" into every later test and worker of the session).
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     rng = random.Random(SEED)
     compared = set()
     for case in range(CASES):
