@@ -24,8 +24,16 @@ Where freshness is the point of a test (first-run output, version overlays, a cr
 the test keeps `subprocess.Popen`.
 
 Protocol: a request is one JSON line (argv after the interpreter, env, cwd) sent with the
-child's stdin/stdout/stderr descriptors (SCM_RIGHTS) over a Unix socket; the answer is one line
-with the child's pid, then, on the same connection, one line with its wait status when it ends.
+child's stdin and stdout (stderr joins stdout) descriptors (SCM_RIGHTS) over a Unix socket; the
+answer is one line with the child's pid, then, on the same connection, one line with its wait
+status and CPU seconds when it ends (the preloaded process reaps it: `reaped_cpu_seconds()` is
+what `tests/suite_budget.py` adds to the session's own children). A preloaded process lives until
+the session's pid is gone (not a parent-death signal: that one follows the *thread* that started
+it, and the suite starts them from pool threads); at most `MAX_RUNNING` run at once.
+
+    process = popen([sys.executable, "-u", "tests/workers/fit_scenario.py"], env=worker_env("torch"))
+    output = process.stdout.read()      # the worker's stdout and stderr
+    assert process.wait(timeout=300) == 0
 """
 
 from __future__ import annotations
