@@ -42,6 +42,7 @@ import atexit
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -100,16 +101,17 @@ class ForkedProcess:
     """A child of a preloaded process, held like a `subprocess.Popen` (the methods the test
     helpers and `keras_mwms.launch.Gang` use)."""
 
-    def __init__(self, pid: int, connection: socket.socket, stdout, argv: list[str]):
+    def __init__(self, pid: int, connection: socket.socket, stdout, argv: list[str], pending: bytes,
+                 owner: _Preloaded):
         self.pid = pid
         self.args = argv
         self.stdout = stdout
         self.stderr = None
         self.returncode: int | None = None
         self._connection = connection
-        self._pending = b""
+        self._pending = pending   # what came after the pid line (the status, if it ended at once)
         self._lock = threading.Lock()
-        self.owner: _Preloaded | None = None
+        self.owner = owner
 
     def poll(self) -> int | None:
         return self._read_status(0.0)
@@ -134,9 +136,7 @@ class ForkedProcess:
                 if b"\n" in self._pending:
                     status, cpu = self._pending.split(b"\n")[0].split()
                     self.returncode = os.waitstatus_to_exitcode(int(status))
-                    _count_cpu(float(cpu))
-                    if self.owner is not None:
-                        self.owner.children_cpu += float(cpu)
+                    _count_cpu(float(cpu), self.owner)
                 elif not chunk:   # the preloaded process died: its children died with it
                     self.returncode = -signal.SIGKILL
                 if self.returncode is not None:
@@ -197,8 +197,10 @@ class _Preloaded:
                 self.stop()
         return self.ready
 
-    def fork(self, command: list[str], env: dict[str, str], cwd: str, stdin: int, stdout: int) -> int:
-        """Asks for a child; returns (pid, connection) once it is running."""
+    def fork(self, command: list[str], env: dict[str, str], cwd: str, stdin: int,
+             stdout: int) -> tuple[int, socket.socket, bytes]:
+        """Asks for a child; once it runs, returns its pid, the connection its status will come
+        on, and what already came after the pid."""
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         connection.settimeout(ANSWER_TIMEOUT)
         connection.connect(self.address)
@@ -224,6 +226,7 @@ class _Preloaded:
         self.children_cpu = 0.0
         if self.ready is False:
             self.process.stdout.close()
+        shutil.rmtree(self.folder, ignore_errors=True)   # its socket
 
 
 _preloaded: dict[tuple, _Preloaded] = {}
@@ -232,9 +235,11 @@ _reaped_cpu = [0.0]
 _stopped: list = []   # preloaded processes stopped to make room, kept for the summary
 
 
-def _count_cpu(seconds: float) -> None:
+def _count_cpu(seconds: float, owner: _Preloaded | None = None) -> None:
     with _lock:
         _reaped_cpu[0] += seconds
+        if owner is not None:
+            owner.children_cpu += seconds
 
 
 def _stop_idle_beyond(count: int) -> None:
@@ -320,12 +325,11 @@ def popen(argv, env: dict[str, str], cwd=None, stdin=subprocess.DEVNULL, stdout=
     if preloaded is None:
         return subprocess.Popen(argv, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr,
                                 start_new_session=start_new_session, preexec_fn=preexec_fn)
-    preloaded.forked += 1
-    process = ForkedProcess(pid, connection, os.fdopen(read_end, "rb"), argv)
-    process.owner = preloaded
-    preloaded.children = [child for child in preloaded.children if child.poll() is None] + [process]
-    preloaded.last_used = time.monotonic()
-    process._pending = rest
+    process = ForkedProcess(pid, connection, os.fdopen(read_end, "rb"), argv, rest, preloaded)
+    with _lock:   # the same lock `_stop_idle_beyond` reads `children` under: no running child missed
+        preloaded.forked += 1
+        preloaded.children = [child for child in preloaded.children if child.poll() is None] + [process]
+        preloaded.last_used = time.monotonic()
     return process
 
 
