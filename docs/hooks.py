@@ -35,8 +35,6 @@ GUIDES_DIR = "guides"
 # Repository files shown as a page of their own: the snippet page that includes them.
 INCLUDED_PAGES = {"ARCHITECTURE.md": "architecture.md"}
 SETTINGS_MARKER = "<!-- settings-table -->"
-# The README's form: the table between these two comments is regenerated.
-SETTINGS_REGION = re.compile(r"(<!-- settings table:[^\n]*-->\n).*?(\n?<!-- end of settings table -->)", re.S)
 API_DIR = "api/"
 HELP_WIDTH = "100"   # the --help texts' $COLUMNS
 
@@ -321,13 +319,10 @@ def generated_blocks() -> dict[str, Callable[[], str]]:
 
 
 def fill_markers(markdown: str) -> str:
-    """Replaces each marker on a line of its own (and the README's settings-table region), not in code."""
+    """Replaces each marker on a line of its own, not in code."""
     blocks = generated_blocks()
 
     def fill(chunk: str) -> str:
-        if SETTINGS_REGION.search(chunk):
-            table = blocks[SETTINGS_MARKER]()
-            chunk = SETTINGS_REGION.sub(lambda match: match.group(1) + table + match.group(2), chunk)
         for marker, make in blocks.items():
             line = re.compile(rf"^[ \t]*{re.escape(marker)}[ \t]*$", re.M)
             if line.search(chunk):
