@@ -44,7 +44,6 @@ one GPU per worker by default, K with `--gpus-per-worker K`, every GPU with `all
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import random
 import signal
@@ -61,13 +60,13 @@ from keras_mwms.devices import assignment, threads
 from keras_mwms.diagnostics.straggler import REPORT_ENV
 from keras_mwms.startup import advice
 from keras_mwms.startup.cluster import format_address, make_tf_config
+from keras_mwms.startup.preload import PreloadedProcess, die_with_parent
 
 DEFAULT_GRACE_PERIOD_SECONDS = 10.0
 # A SIGKILLed process is gone in milliseconds unless stuck in the kernel (a dead NFS mount);
 # the launcher must still exit then.
 REAP_TIMEOUT_SECONDS = 10.0
 DEFAULT_NO_PROGRESS_SECONDS = 600.0
-_PR_SET_PDEATHSIG = 1
 
 
 def find_free_ports(count: int, host: str = "localhost") -> list[int]:
@@ -162,15 +161,6 @@ def _hold_tcp_and_udp(host: str, port: int, sockets: list[socket.socket]) -> int
     except OSError:
         return None   # held for UDP: the TCP socket stays bound so it is not offered again
     return port
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: the kernel SIGKILLs it if the launcher dies."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
 
 
 def exit_code_of(returncode: int) -> int:
@@ -281,7 +271,7 @@ class Gang:
             process = self.start_process(
                 self.command, env=self._environment(index), stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
             pump = threading.Thread(target=self._pump, args=(index, process.stdout, output),
                                     daemon=True)
@@ -357,6 +347,62 @@ class Gang:
         return code
 
 
+class PreloadedStarts:
+    """How `--preload` starts a worker (`Gang(start_process=)`): forked from one
+    `keras_mwms.startup.preload.PreloadedProcess`, which imported Keras, its backend and
+    keras_mwms once with the first worker's environment and serves every restart after it.
+    A worker that a fork would not start as a fresh process does (another interpreter, an
+    import-time variable of its own, a preloaded process that does not fork) starts fresh,
+    and `say` is told why, once per reason.
+
+    Takes `Gang.start`'s arguments: the child's stdin is /dev/null, its stdout and stderr one
+    pipe, its session its own, and it dies with the preloaded process, which dies with this one.
+
+    Example:
+
+    >>> import os, subprocess, sys
+    >>> said = []
+    >>> starts = PreloadedStarts(say=said.append)
+    >>> env = {**os.environ, "KERAS_BACKEND": "jax", "OMP_NUM_THREADS": "1"}
+    >>> worker = starts([sys.executable, "-c", "print('hi')"], env=env, stdout=subprocess.PIPE)
+    >>> worker.stdout.read(), worker.wait(timeout=60), starts.forked
+    (b'hi\\n', 0, 1)
+    >>> said[0].startswith("--preload: Keras, its backend and keras_mwms imported once")
+    True
+    >>> starts.stop()
+    """
+
+    def __init__(self, say: Callable[[str], None]):
+        self.say = say
+        self.preloaded: PreloadedProcess | None = None
+        self.forked = 0
+        self._told: set[str] = set()
+
+    def __call__(self, argv: Sequence[str], env: dict[str, str], **popen_options) -> subprocess.Popen:
+        if self.preloaded is not None and self.preloaded.ready and not self.preloaded.alive():
+            self.say(f"--preload: the preloaded process {self.preloaded.process.pid} ended; starting another")
+            self.preloaded = None
+        if self.preloaded is None:
+            self.preloaded = PreloadedProcess(env)
+        process = self.preloaded.start(list(argv), env)
+        if process is None:
+            if self.preloaded.refusal not in self._told:
+                self._told.add(self.preloaded.refusal)
+                self.say(f"--preload: {self.preloaded.refusal}; starting workers fresh where so")
+            return subprocess.Popen(list(argv), env=env, **popen_options)
+        if not self.forked:
+            self.say(f"--preload: Keras, its backend and keras_mwms imported once (process "
+                     f"{self.preloaded.process.pid}); workers and restarts are forked from it")
+        self.forked += 1
+        return process
+
+    def stop(self) -> None:
+        """Stops the preloaded process (after the workers ended: it reaps them)."""
+        if self.preloaded is not None:
+            self.preloaded.stop()
+            self.preloaded = None
+
+
 class Launcher:
     """Runs a gang, restarting it up to `max_restarts` times after a failure.
 
@@ -382,6 +428,8 @@ class Launcher:
         shrink_after: failures in a row of one worker after which the gang loses a worker.
         report: print where each worker's time went after every run, not only a failed one,
             and ask the workers for every epoch's straggler table (`KERAS_MWMS_REPORT=1`).
+        preload: fork every worker and every restart from one process that imported Keras, its
+            backend and keras_mwms once (`--preload`, `PreloadedStarts`).
     """
 
     def __init__(self, command: Sequence[str], workers: int, max_restarts: int = 0,
@@ -389,7 +437,8 @@ class Launcher:
                  grace_period: float = DEFAULT_GRACE_PERIOD_SECONDS, log=None, output=None,
                  worker_env: dict[int, dict[str, str]] | None = None,
                  no_progress_seconds: float | None = DEFAULT_NO_PROGRESS_SECONDS,
-                 min_workers: int | None = None, shrink_after: int = 2, report: bool = False):
+                 min_workers: int | None = None, shrink_after: int = 2, report: bool = False,
+                 preload: bool = False):
         if max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
         if min_workers is not None and not 1 <= min_workers <= workers:
@@ -412,6 +461,7 @@ class Launcher:
         self.worker_env = worker_env   # per worker index, e.g. its GPUs (`gpu_worker_env`)
         self.no_progress_seconds = no_progress_seconds   # hang reports (`_hang_collector`)
         self.gang: Gang | None = None
+        self.starts = PreloadedStarts(self._say) if preload else None
         self._signalled: int | None = None
         self._signal_count = 0
         self._signal_deadline = 0.0
@@ -479,6 +529,8 @@ class Launcher:
         finally:
             if self.gang is not None:
                 self.gang.stop()
+            if self.starts is not None:
+                self.starts.stop()
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
 
@@ -488,7 +540,8 @@ class Launcher:
                 # Signalled between attempts: starting workers now would only mean killing them.
                 return self._report_signal(0.0, [])
             self.gang = Gang(self.command, self.workers, self.host, self.port_base,
-                             self.grace_period, attempt, worker_env=self.worker_env)
+                             self.grace_period, attempt, worker_env=self.worker_env,
+                             start_process=self.starts or subprocess.Popen)
             self._say(f"attempt {attempt + 1}/{self.max_restarts + 1}: starting {self.workers} "
                       f"worker(s) at {', '.join(self.gang.addresses)}")
             collector = self._hang_collector()
@@ -599,6 +652,12 @@ def build_parser(prog: str = "python -m keras_mwms.launch") -> argparse.Argument
                         help="print where each worker's time went after every run (by default "
                              "only after a failed one) and every epoch's straggler table (by "
                              "default only one that names a straggler)")
+    parser.add_argument("--preload", action="store_true",
+                        help="import Keras, its backend and keras_mwms once in a helper process and "
+                             "fork every worker and every restart from it: a restart starts in a "
+                             "fraction of a second instead of paying the imports again (also "
+                             f"{settings.PRELOAD.name}=1; a worker a fork cannot start as a fresh "
+                             "process starts fresh, and the launcher says why)")
     parser.add_argument("-m", dest="module", default=None,
                         help="run a module (like python -m) instead of a script")
     parser.add_argument("script_and_args", nargs=argparse.REMAINDER,
@@ -681,7 +740,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m keras_mwms.la
                         arguments.port_base, arguments.grace_period, worker_env=worker_env,
                         no_progress_seconds=arguments.no_progress_seconds or None,
                         min_workers=arguments.min_workers, shrink_after=arguments.shrink_after,
-                        report=arguments.report)
+                        report=arguments.report, preload=arguments.preload or settings.PRELOAD.read())
     return launcher.run()
 
 

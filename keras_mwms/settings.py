@@ -249,6 +249,9 @@ REPORT = register(Setting(
 DIAGNOSTICS_ADDRESS = register(Setting(
     "KERAS_MWMS_DIAGNOSTICS_ADDRESS", TEXT, None, "The launcher's `host:port` where workers send hang reports.",
     set_by="launcher"))
+PRELOAD = register(Setting(
+    "KERAS_MWMS_PRELOAD", SWITCH, False,
+    "Launcher: fork every worker and restart from one process that imported Keras once (`--preload`)."))
 ALLOW_UNTESTED_KERAS = register(Setting(
     "KERAS_MWMS_ALLOW_UNTESTED_KERAS", SWITCH, False,
     "Try a Keras or backend release outside the supported range (one warning) instead of refusing."))

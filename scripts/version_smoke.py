@@ -206,7 +206,7 @@ def resume(cell: Cell, overlay: Path | None, out: Path) -> None:
         ["--workers", "2", "--max-restarts", "1", "--grace-period", "3"],
         [str(REPO / "tests" / "workers" / "version_smoke.py"), "--out", str(out / "resume"),
          "--backup", str(out / "backup"), "--kill-at-step", "11"],
-        timeout=GANG_TIMEOUT, env=environment)
+        timeout=GANG_TIMEOUT, env=environment, preload=False)   # the overlay: every worker fresh
     cell.resume_ok = False
     if result.returncode != 0:
         cell.problems.append(f"resume: launcher exit {result.returncode}: "

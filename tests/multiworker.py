@@ -32,7 +32,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from keras_mwms.launch import Gang, _die_with_parent, find_free_ports
+from keras_mwms import settings
+from keras_mwms.launch import Gang, find_free_ports
+from keras_mwms.startup.preload import die_with_parent
 from tests import preloaded
 
 # How many independent runs `concurrently` starts at once by default: on 2 cores, three runs that
@@ -186,10 +188,14 @@ class LaunchResult:
 
 
 def run_launcher(launcher_args: Sequence[str], worker_command: Sequence[str], timeout: float,
-                 env: dict[str, str] | None = None) -> LaunchResult:
-    """Runs the real launcher CLI in its own process group, bounded by `timeout`."""
+                 env: dict[str, str] | None = None, preload: bool = True) -> LaunchResult:
+    """Runs the real launcher CLI in its own process group, bounded by `timeout`.
+
+    With `preload` (unless `KERAS_MWMS_TEST_FRESH_PROCESSES=1`) it runs with
+    `KERAS_MWMS_PRELOAD=1`: its workers and restarts are forked from one process that imported
+    Keras once (`keras_mwms.startup.preload`); `preload=False` where a fresh worker is the point."""
     command = [sys.executable, "-m", "keras_mwms.launch", *launcher_args, *worker_command]
-    process = subprocess.Popen(command, cwd=REPO, env={**os.environ, **(env or {})},
+    process = subprocess.Popen(command, cwd=REPO, env={**os.environ, **launcher_preload_env(preload), **(env or {})},
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
     try:
@@ -204,6 +210,14 @@ def run_launcher(launcher_args: Sequence[str], worker_command: Sequence[str], ti
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
     return LaunchResult(process.returncode, output, log)
+
+
+def launcher_preload_env(preload: bool = True) -> dict[str, str]:
+    """`{"KERAS_MWMS_PRELOAD": "1"}` for a process that runs the launcher, so that the launcher
+    forks its workers (`--preload`), or `"0"` (`preload=False`, or a run with
+    `KERAS_MWMS_TEST_FRESH_PROCESSES=1`)."""
+    on = preload and os.environ.get(preloaded.FRESH_ENV) != "1"
+    return {settings.PRELOAD.name: "1" if on else "0"}
 
 
 def python_worker(script: str, *args: str) -> list[str]:
@@ -283,7 +297,7 @@ def run_processes(spawns: Sequence[Spawn], timeout: float, grace_after_failure: 
             process = preloaded.popen([*spawn.prefix, *spawn.argv], cwd=cwd, env={**base, **spawn.env},
                                       stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, start_new_session=True,
-                                      preexec_fn=_die_with_parent)
+                                      preexec_fn=die_with_parent)
             processes.append(process)
             pumps.append(threading.Thread(target=_pump, args=(process.stdout, sink), daemon=True))
             pumps[-1].start()

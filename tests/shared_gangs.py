@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from keras_mwms.launch import Gang, _die_with_parent
+from keras_mwms.launch import Gang
+from keras_mwms.startup.preload import die_with_parent
 from tests.multiworker import REPO, _Capture, concurrently, python_worker, worker_env
 
 PLAIN = 0     # one process of plain Keras, no keras_mwms imported (`jobs.py --plain`)
@@ -324,7 +325,7 @@ class _Processes:
         environment = {**{key: value for key, value in os.environ.items() if key != "TF_CONFIG"}, **self.env}
         self.single = subprocess.Popen(self.command, cwd=REPO, env=environment, stdin=subprocess.DEVNULL,
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                                       preexec_fn=_die_with_parent)
+                                       preexec_fn=die_with_parent)
         self._pump = threading.Thread(target=self._copy, args=(self.single.stdout,), daemon=True)
         self._pump.start()
 

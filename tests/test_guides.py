@@ -16,6 +16,7 @@ from tests.multiworker import (
     ProcessesResult,
     Spawn,
     concurrently,
+    launcher_preload_env,
     run_processes,
     selected_params,
     worker_env,
@@ -40,7 +41,8 @@ def test_readme_links_every_guide():
 
 
 def _run_guide(guide: str, backend: str, tmp_path) -> ProcessesResult:
-    env = {**worker_env(backend), "KERAS_MWMS_GUIDE_SMOKE": "1", "TMPDIR": str(tmp_path)}
+    # The guides run the launcher: with KERAS_MWMS_PRELOAD=1 it forks their workers (--preload).
+    env = {**worker_env(backend), **launcher_preload_env(), "KERAS_MWMS_GUIDE_SMOKE": "1", "TMPDIR": str(tmp_path)}
     return run_processes([Spawn([sys.executable, str(REPO / "guides" / guide)], env)], timeout=900)
 
 

@@ -327,7 +327,8 @@ def test_one_worker_by_choice_is_not_warned_about(tmp_path):
                       "    strategy = keras_mwms.MultiWorkerMirroredStrategy()\n"
                       "print('workers', strategy.num_workers,\n"
                       "      'warned', sum('running a single worker' in str(w.message) for w in caught))\n")
-    launched = run_launcher(["--workers", "1"], [str(script)], timeout=120, env=worker_env("torch", lean=True))
+    launched = run_launcher(["--workers", "1"], [str(script)], timeout=120, env=worker_env("torch", lean=True),
+                            preload=False)
     assert launched.returncode == 0, launched.output + launched.launcher_log
     assert "workers 1 warned 0" in launched.output, launched.output
     alone = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,

@@ -50,7 +50,8 @@ def test_a_healthy_two_worker_run_prints_what_plain_keras_prints(backend, monkey
                            capture_output=True, text=True, timeout=TIMEOUT)
     assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-3000:]
     plain_lines = _lines(plain.stdout + plain.stderr)
-    result = run_launcher(["--workers", "2"], [str(WORKERS_DIR / "quickstart.py")], timeout=TIMEOUT, env=env)
+    result = run_launcher(["--workers", "2"], [str(WORKERS_DIR / "quickstart.py")], timeout=TIMEOUT, env=env,
+                          preload=False)   # first-run output: every worker a fresh start
     shown = f"--- plain\n{chr(10).join(plain_lines)}\n--- launcher\n{result.launcher_log}\n--- workers\n{result.output}"
     assert result.returncode == 0, shown
     # (Text-mode pipes turn the progress bar's "\r" redraws into lines of their own, without the

@@ -6,7 +6,8 @@
 * `rendezvous` — a bounded, fingerprinted TCP meeting of every worker (versions, cluster order,
   GPUs) before any collective engine starts;
 * `network` — which local interface and socket an engine binds for a `TF_CONFIG` host;
-* `advice` — the fix a start-up or lost-worker error names, worded for how the job was started.
+* `advice` — the fix a start-up or lost-worker error names, worded for how the job was started;
+* `preload` — a process that imported Keras once and forks workers from there (`--preload`).
 
-Pure Python: nothing here imports an ML framework.
+Pure Python: nothing here imports an ML framework (but the preloaded process, in itself).
 """
