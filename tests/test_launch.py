@@ -208,8 +208,10 @@ def test_a_second_signal_kills_at_once(tmp_path):
     assert_no_survivors(pid_dir)
 
 
-def test_workers_die_with_a_killed_launcher(tmp_path):
-    process, pid_dir = launch(tmp_path, "--workers", "2", worker_args=["--sleep", "120"], wait=False)
+@pytest.mark.parametrize("preload", [False, True], ids=["fresh", "preload"])
+def test_workers_die_with_a_killed_launcher(tmp_path, preload):
+    process, pid_dir = launch(tmp_path, "--workers", "2", *(["--preload"] if preload else []),
+                              worker_args=["--sleep", "120"], wait=False)
     try:
         deadline = time.monotonic() + 30
         while len(worker_pids(pid_dir)) < 2 and time.monotonic() < deadline:
@@ -219,6 +221,33 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
     finally:
         if process.poll() is None:
             process.kill()
+    assert_no_survivors(pid_dir)
+
+
+def test_preload_forks_every_worker_and_restart_and_keeps_their_exit_codes(tmp_path):
+    code, out, err, pid_dir = launch(tmp_path, "--workers", "2", "--max-restarts", "1", "--grace-period", "2",
+                                     "--preload", worker_args=["--fail-first-attempt"], timeout=120)
+    assert code == 0, err + out
+    assert "--preload: Keras, its backend and keras_mwms imported once" in err, err
+    assert "worker 1 failed with exit code 7" in err and "attempt 2/2" in err, err
+    for attempt in range(2):
+        for index in range(2):
+            assert f"[worker {index}] hello from index {index} attempt {attempt} of 2 threads=1 preloaded=True" in out, out
+    assert "[worker 1] stderr line from 1" in out   # stderr joins stdout, prefixed
+    assert "index 0 done" in out and "fresh" not in err, err
+    assert len(worker_pids(pid_dir)) == 4
+    assert_no_survivors(pid_dir)
+
+
+def test_preload_without_a_fork_starts_workers_fresh_and_says_why(tmp_path, monkeypatch):
+    # numpy's OpenBLAS pool starts a thread at import with 2 threads asked: forking is refused.
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    code, out, err, pid_dir = launch(tmp_path, "--workers", "2", "--preload", timeout=120)
+    assert code == 0, err + out
+    assert "threads run after the imports" in err and "starting workers fresh" in err, err
+    assert err.count("--preload:") == 1, err   # once, not once per worker
+    for index in range(2):
+        assert f"hello from index {index} attempt 0 of 2 threads=2 preloaded=False" in out, out
     assert_no_survivors(pid_dir)
 
 

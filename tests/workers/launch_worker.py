@@ -5,12 +5,15 @@ flags say: exit with a code on one index, fail on the first attempt only, or sle
 SIGTERM if asked, as TensorFlow does).
 """
 
-import argparse
-import json
-import os
-import signal
 import sys
-import time
+
+KERAS_ALREADY_IMPORTED = "keras" in sys.modules   # a worker forked by `--preload` starts with it
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import time  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--pid-dir", required=True)
@@ -30,7 +33,7 @@ with open(os.path.join(arguments.pid_dir, f"{attempt}-{index}.pid"), "w") as han
 if arguments.ignore_sigterm:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 print(f"hello from index {index} attempt {attempt} of {len(config['cluster']['worker'])} "
-      f"threads={os.environ.get('OMP_NUM_THREADS')}", flush=True)
+      f"threads={os.environ.get('OMP_NUM_THREADS')} preloaded={KERAS_ALREADY_IMPORTED}", flush=True)
 print(f"stderr line from {index}", file=sys.stderr, flush=True)
 if arguments.fail_first_attempt and attempt == 0 and index == 1:
     time.sleep(arguments.fail_after)
