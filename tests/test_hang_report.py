@@ -188,6 +188,51 @@ def test_the_launchers_time_table_has_nothing_to_say_before_a_first_step():
         collector.close()
 
 
+def test_the_launcher_decides_no_hang_for_a_busy_worker_and_withdraws_one_the_gang_outlived():
+    """A round opened while worker 0 was busy (a long compile) and never answered: the launcher
+    decides nothing if a worker moved on before its wait ended; if the gang moves only after
+    the launcher's own verdict, that verdict is withdrawn in one line and a later hang is named."""
+    from keras_mwms.diagnostics.collector import HangCollector
+    from keras_mwms.diagnostics.report import build_report
+    from keras_mwms.diagnostics.watchdog import COLLECT_SECONDS, VERDICT_WAIT_SECONDS
+
+    wait = COLLECT_SECONDS + VERDICT_WAIT_SECONDS + 3
+    log = io.StringIO()
+    collector = HangCollector(["127.0.0.1:1", "127.0.0.1:2"], log=log)
+    ledger = Ledger()
+    collective = ledger.collective("gradient all-reduce", 64)
+    collective.__enter__()
+
+    def progress(worker, sequence):
+        collector.on_message({"type": "progress", "worker": worker, "step": sequence, "sequence": sequence,
+                              "totals": {"data": 0.0, "compute": 1.0, "collective": 1.0, "steps": sequence}})
+
+    try:
+        progress(0, 1)
+        progress(1, 1)
+        collector.on_message(build_report(1, "worker 1", ledger, threshold=3))   # worker 0: no answer
+        progress(1, 2)                                                             # ... then it moved on
+        collector.tick(time.monotonic() + wait)
+        assert log.getvalue() == "" and collector.verdict_text is None
+
+        collector.on_message(build_report(1, "worker 1", ledger, threshold=3))   # a second busy spell
+        collector.tick(time.monotonic() + wait)
+        assert "no answer: worker 0" in log.getvalue() and "decided by the launcher" in log.getvalue()
+        progress(0, 3)                                                             # worker 0 is back
+        withdrawn = log.getvalue().splitlines()[-1]
+        assert withdrawn.startswith("[launcher] verdict withdrawn: worker 0 made progress"), log.getvalue()
+        assert "not hung; training goes on" in withdrawn and collector.verdict_text is None
+
+        collector.on_message(build_report(1, "worker 1", ledger, threshold=3))   # a real hang now
+        collector.tick(time.monotonic() + wait)
+        assert log.getvalue().count("no answer: worker 0") == 2, log.getvalue()
+        progress(1, 2)   # a progress line of an unchanged step withdraws nothing
+        assert log.getvalue().count("withdrawn") == 1
+    finally:
+        collective.__exit__(None, None, None)
+        collector.close()
+
+
 def test_two_watchdogs_and_a_launcher_agree_on_one_verdict():
     """In-process: worker 1 waits in a collective, worker 0 is busy elsewhere; the launcher
     asks after no progress; worker 0 decides, worker 1 and the launcher print its verdict."""

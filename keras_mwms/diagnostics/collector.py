@@ -8,7 +8,10 @@
   `no_progress_seconds`, the launcher asks every worker for a hang report;
 * its hang reports and, from the worker that decided, the verdict: the launcher prints the
   same text, line for line (`[launcher] ` before each line). If no verdict comes although
-  reports did (the deciding worker is stuck too), it decides from the reports it has.
+  reports did (the deciding worker is stuck too), it decides from the reports it has — unless
+  a worker made progress meanwhile (a round opened while one worker was busy, e.g. compiling,
+  is no hang). A verdict it decided itself is withdrawn, in one line, if the gang makes
+  progress after it, and a later hang gets a verdict of its own.
 
 At the end of a run, `time_table()` is the per-worker table of where the time went.
 
@@ -59,6 +62,7 @@ class HangCollector:
         self.progress: dict[int, dict] = {}
         self.reports: dict[int, dict] = {}
         self.verdict_text: str | None = None
+        self._own_verdict_at: float | None = None   # when the launcher decided itself (no worker did)
         self._last_change = time.monotonic()
         self._round_started: float | None = None
         self._stop = threading.Event()
@@ -91,6 +95,8 @@ class HangCollector:
             before = self.progress.get(worker)
             if before is None or (before["step"], before["sequence"]) != (message["step"], message["sequence"]):
                 self._last_change = time.monotonic()
+                if before is not None:
+                    self._withdraw_own_verdict(worker)
             self.progress[worker] = message
         elif kind in ("request", "report"):
             if self._round_started is None:
@@ -107,10 +113,13 @@ class HangCollector:
         if self.verdict_text is not None:
             return
         if self._round_started is not None and now - self._round_started > COLLECT_SECONDS + VERDICT_WAIT_SECONDS + 2:
-            self._round_started = None
+            started, self._round_started = self._round_started, None
+            if self._last_change > started:   # a worker moved on meanwhile: busy, not hung
+                return
             verdict = verdicts.decide(self.reports, len(self.workers))
             if verdict is not None:
                 self._say(verdict.text.replace("\n", " (decided by the launcher: no worker sent a verdict)\n", 1))
+                self._own_verdict_at = now
             return
         if (self.no_progress_seconds and self._round_started is None and self.progress
                 and now - self._last_change > self.no_progress_seconds):
@@ -119,6 +128,16 @@ class HangCollector:
             reason = f"the launcher saw no progress for {self.no_progress_seconds:g} s"
             for destination in self.workers:
                 self.channel.send({"type": "request", "worker": -1, "reason": reason}, destination)
+
+    def _withdraw_own_verdict(self, worker: int) -> None:
+        """The gang moved after a verdict the launcher decided itself: it was no hang."""
+        if self._own_verdict_at is None:
+            return
+        waited = time.monotonic() - self._own_verdict_at
+        self._own_verdict_at, self.verdict_text = None, None
+        self.log.write(f"[launcher] verdict withdrawn: worker {worker} made progress {waited:.1f} s after "
+                       "it, so the gang was busy (a long compile or step), not hung; training goes on\n")
+        self.log.flush()
 
     def _say(self, text: str) -> None:
         self.verdict_text = text
