@@ -20,7 +20,9 @@ Forking is the same as a fresh start only where
   (`TF_CONFIG`, `KERAS_MWMS_*`, `CUDA_VISIBLE_DEVICES`, ...) is read later and may differ;
 * the preloaded process still has one thread after its imports (forking a threaded process
   copies locks without their owners: numpy's OpenBLAS pool without `OMP_NUM_THREADS=1`
-  starts threads at import).
+  starts threads at import), and no device runtime started (CUDA, JAX's backends,
+  TensorFlow's devices: a worker's GPUs are chosen by its `CUDA_VISIBLE_DEVICES`, read when
+  its runtime starts; none of the three starts one at import).
 
 Elsewhere `PreloadedProcess.start` answers None with the reason in `refusal`, and the caller
 starts that worker fresh.
@@ -374,6 +376,10 @@ def serve(address: str, parent: int, status_fd: int) -> None:
         os.write(status_fd, f"{threads} threads run after the imports (set OMP_NUM_THREADS=1 for numpy's "
                             "OpenBLAS pool); forking would copy their locks\n".encode())
         return
+    started = _runtime_started()
+    if started:   # every child would share one device runtime's state (and not its GPUs' choice)
+        os.write(status_fd, f"{started} while importing; forking would share it\n".encode())
+        return
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address)
     listener.listen(64)
@@ -388,6 +394,23 @@ def serve(address: str, parent: int, status_fd: int) -> None:
             if child:
                 children[child] = connection
         _reap(children)
+
+
+def _runtime_started() -> str | None:
+    """Which device runtime the imports started, or None: a worker picks its devices later
+    (`CUDA_VISIBLE_DEVICES`, read when the runtime starts), so none may have started here."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "torch initialized CUDA"
+    if "jax" in sys.modules:
+        from jax._src import xla_bridge
+        if getattr(xla_bridge, "backends_are_initialized", lambda: False)():
+            return "JAX initialized its backends"
+    if "tensorflow" in sys.modules:
+        from tensorflow.python.eager import context
+        if getattr(context.context(), "_context_handle", None) is not None:
+            return "TensorFlow initialized its devices"
+    return None
 
 
 def _reap(children: dict[int, socket.socket]) -> None:
