@@ -59,9 +59,6 @@ KNOWN_LOG_DIFFERENCES = {("torch", "custom_train_step"): {"loss"}}
 # Logs that still differ from one process without a warning: open bugs, each pinned by
 # `test_open_log_differences_are_still_open` (remove the entry when fixed). The weights match.
 OPEN_LOG_DIFFERENCES = {
-    # TensorFlow sums every metric state across workers (tf.distribute's sync-on-read
-    # variables): a running maximum logs the sum of the workers' maxima.
-    ("tensorflow", "custom_max_metric"): {"largest_error", "val_largest_error"},
     # torch: the known gap (docs/semantics.md) of a custom train_step's own loss tracker, which weighs the
     # workers equally on a step split unevenly (the last global batch of 4 rows splits 4/0);
     # its warning is said once per process, so in the warm gang only custom_train_step, the
@@ -72,7 +69,8 @@ OPEN_LOG_DIFFERENCES = {
 # Variants run a second time on a gang of 3 workers (a global batch of 16 splits 6/5/5).
 THREE_WORKER_VARIANTS = ["sgd_arrays", "generator_then_tfdata", "on_batch_loops", "batchnorm_smallest",
                          "batchnorm_default", "batchnorm_per_worker", "batchnorm_transfer_learning",
-                         "chief_only_callbacks", "position_embedding_adam", "summed_loss", "layer_state"]
+                         "chief_only_callbacks", "position_embedding_adam", "summed_loss", "layer_state",
+                         "custom_max_metric"]
 BACKENDS = [pytest.param(name, marks=getattr(pytest.mark, name)) for name in ("tensorflow", "jax", "torch")]
 
 
@@ -356,18 +354,17 @@ def test_keras_own_callbacks_write_the_files_of_one_process_once(runs, variant):
         assert abs(result["best"] - reference["best"]) <= HISTORY_TOLERANCE, (result["best"], reference["best"])
 
 
-def test_a_custom_maximum_metric_is_the_maximum_over_all_rows(runs):
+def test_a_custom_maximum_metric_is_the_maximum_over_all_rows(runs, three_workers):
     """A custom Metric whose state is a running maximum (`running_max`): `evaluate` logs one
-    process's maximum on every worker (fit's logs: `test_variant_matches_one_process_of_plain_keras`).
-    TensorFlow still sums the workers' states (a known gap, docs/semantics.md)."""
+    process's maximum on every worker, 2 and 3 of them (fit's logs:
+    `test_variant_matches_one_process_of_plain_keras`; before, TensorFlow logged the sum of the
+    workers' maxima)."""
     variant = "custom_max_metric"
     expected = runs.reference(variant)["evaluate"]["largest_error"]
-    got = [runs.result(variant, worker)["evaluate"]["largest_error"] for worker in range(2)]
-    assert got[0] == got[1], got
-    if runs.backend == "tensorflow":
-        assert got[0] > expected, (got, expected)   # the known gap: a sum of maxima
-    else:
-        assert abs(got[0] - expected) <= HISTORY_TOLERANCE, (got, expected)
+    for gang_runs, workers in ((runs, 2), (three_workers, 3)):
+        got = [gang_runs.result(variant, worker)["evaluate"]["largest_error"] for worker in range(workers)]
+        assert len(set(got)) == 1, got
+        assert abs(got[0] - expected) <= HISTORY_TOLERANCE, (workers, got, expected)
 
 
 @pytest.mark.slow

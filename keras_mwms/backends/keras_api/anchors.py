@@ -174,6 +174,7 @@ MODEL_CHECKPOINT = Anchor("ModelCheckpoint", "keras.callbacks.ModelCheckpoint",
                           lambda: _keras().callbacks.ModelCheckpoint)
 TENSORBOARD = Anchor("TensorBoard", "keras.callbacks.TensorBoard", lambda: _keras().callbacks.TensorBoard)
 LAYER = Anchor("Layer", "keras.layers.Layer", lambda: _keras().layers.Layer)
+METRIC = Anchor("Metric", "keras.metrics.Metric", lambda: _keras().metrics.Metric)
 DATA_ADAPTERS = Anchor("data_adapters", "package of keras.utils.PyDataset's module",
                        lambda: _package_of(_module_of(_keras().utils.PyDataset)))
 STATELESS_SCOPE_MODULE = Anchor("stateless_scope_module", "module of keras.StatelessScope",
@@ -193,7 +194,7 @@ TORCH_SGD = Anchor("torch_sgd", "module keras.src.backend.torch.optimizers.torch
 
 ANCHORS = (TRAINER, BASE_TRAINER, TRAINER_MODULE, VARIABLE, LOSS_MODULE, BASE_OPTIMIZER, BACKEND_OPTIMIZER,
            LOSS_SCALE_OPTIMIZER, MULTI_OPTIMIZER, LAYER, BATCH_NORMALIZATION, CALLBACK_LIST, MODEL_CHECKPOINT,
-           TENSORBOARD, DATA_ADAPTERS, STATELESS_SCOPE_MODULE, DISTRIBUTION_MODULE, OPS_PACKAGE, JAX_UTILS,
+           TENSORBOARD, METRIC, DATA_ADAPTERS, STATELESS_SCOPE_MODULE, DISTRIBUTION_MODULE, OPS_PACKAGE, JAX_UTILS,
            TORCH_ADAM, TORCH_SGD)
 """Every anchor, in the order ARCHITECTURE.md lists them."""
 

@@ -27,6 +27,7 @@ from keras_mwms.backends.keras_api.anchors import (
     LAYER,
     LOSS_MODULE,
     LOSS_SCALE_OPTIMIZER,
+    METRIC,
     MODEL_CHECKPOINT,
     MULTI_OPTIMIZER,
     OPS_PACKAGE,
@@ -60,6 +61,8 @@ BASE_TRAINER_COMPUTE_METRICS = Target(BASE_TRAINER, "compute_metrics")
 # Keras 3.16's own torch distribution: the DDP wrap, and metric results all-reduced
 TORCH_INITIALIZE_DDP = Target(TRAINER, "_initialize_ddp", backends=TORCH)
 TORCH_GET_METRICS_RESULT = Target(TRAINER, "get_metrics_result", backends=TORCH)
+TF_GET_METRICS_RESULT = Target(TRAINER, "get_metrics_result", backends=TF)
+TF_METRIC_ADD_VARIABLE = Target(METRIC, "add_variable", backends=TF)
 BASE_TRAINER_GET_METRICS_RESULT = Target(BASE_TRAINER, "get_metrics_result", backends=TORCH)
 EPOCH_ITERATOR_ENUMERATE = Target(TRAINER_MODULE, "EpochIterator._enumerate_iterator")
 

@@ -32,7 +32,7 @@ from keras_mwms.backends import batch_norm as core_batch_norm
 from keras_mwms.backends import fit_call, policy
 from keras_mwms.backends.keras_api import attributes, internals, targets
 from keras_mwms.backends.patches import ANY_KERAS, Patch, PatchTable
-from keras_mwms.backends.tensorflow import batch_norm, data, fit_hooks, layer_state, step
+from keras_mwms.backends.tensorflow import batch_norm, data, fit_hooks, layer_state, metric_extremes, step
 from keras_mwms.diagnostics.ledger import counted_in_graph
 
 # -- Keras 3.15.1 crash repairs (keras-team/keras#20585) ----------------------------------
@@ -194,10 +194,27 @@ def _trainer_rows(backend: Any) -> list[Patch]:
     return rows
 
 
+def _metric_rows(backend: Any) -> list[Patch]:
+    """The rows that combine metric states by max or min (`metric_extremes`)."""
+    return [
+        Patch(name="tf-metric-extremes-first-replica",
+              target=targets.TF_METRIC_ADD_VARIABLE,
+              replacement=metric_extremes.first_replica_extremes(backend.strategy),
+              works_around="tf.distribute sums a metric's state across replicas when read outside "
+                           "a step (or averages it): a running maximum logs the sum of the maxima",
+              parameters=("shape", "initializer", "dtype", "aggregation", "name")),
+        Patch(name="tf-metric-extremes-combined",
+              target=targets.TF_GET_METRICS_RESULT,
+              replacement=metric_extremes.combined_results(backend.strategy),
+              works_around="inside a step each replica reads only its own metric state: a running "
+                           "maximum must be the maximum over every replica's"),
+    ]
+
+
 def patch_table(backend: Any) -> PatchTable:
     """The TensorFlow backend's patch rows for `backend` (a joined `TensorFlowBackend`)."""
     weighting = backend.row_weighting
-    rows = _trainer_rows(backend) + [
+    rows = _trainer_rows(backend) + _metric_rows(backend) + [
         Patch(name="tf-row-weighted-steps", target=backend.strategy, attribute="run",
               replacement=weighting.run,
               works_around="each replica's loss is its local mean over replicas, so rows of an "
