@@ -40,7 +40,7 @@ from keras_mwms.startup.preload import ForkedProcess, PreloadedProcess, import_t
 
 REPO = Path(__file__).resolve().parent.parent
 FRESH_ENV = "KERAS_MWMS_TEST_FRESH_PROCESSES"
-MAX_RUNNING = 6         # preloaded processes alive at once (the suite's environments: about 12)
+MAX_RUNNING = 8         # preloaded processes alive at once (the suite's environments: about 14)
 
 
 class _Preloaded(PreloadedProcess):
@@ -135,17 +135,19 @@ def _preloaded_for(env: dict[str, str]) -> _Preloaded | None:
 
 
 def popen(argv, env: dict[str, str], cwd=None, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-          stderr=subprocess.STDOUT, start_new_session: bool = True, preexec_fn=None):
+          stderr=subprocess.STDOUT, start_new_session: bool = True, preexec_fn=None, nice: int = 0):
     """`subprocess.Popen(argv, env=env, cwd=cwd, stdin, stdout=PIPE, stderr=STDOUT,
-    start_new_session=True)`, forked from a preloaded process where that is the same (see the
-    module docstring); stdout is a pipe the caller reads, stderr goes with it."""
+    start_new_session=True)` (under `nice -n nice` where `nice` is given), forked from a
+    preloaded process where that is the same (see the module docstring); stdout is a pipe the
+    caller reads, stderr goes with it."""
     argv = [str(part) for part in argv]
     fresh = (os.environ.get(FRESH_ENV) == "1" or stdout is not subprocess.PIPE
              or stderr is not subprocess.STDOUT or stdin is not subprocess.DEVNULL or not start_new_session)
     preloaded = None if fresh else _preloaded_for(env)
-    process = None if preloaded is None else preloaded.start(argv, env, str(cwd or os.getcwd()))
+    process = None if preloaded is None else preloaded.start(argv, env, str(cwd or os.getcwd()), nice=nice)
     if process is None:
-        return subprocess.Popen(argv, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr,
+        return subprocess.Popen(["nice", "-n", str(nice), *argv] if nice else argv, env=env, cwd=cwd,
+                                stdin=stdin, stdout=stdout, stderr=stderr,
                                 start_new_session=start_new_session, preexec_fn=preexec_fn)
     with _lock:   # the same lock `_stop_idle_beyond` reads `children` under: no running child missed
         preloaded.children = [child for child in preloaded.children if child.poll() is None] + [process]

@@ -43,6 +43,7 @@ from pathlib import Path
 
 from keras_mwms.launch import Gang
 from keras_mwms.startup.preload import die_with_parent
+from tests import preloaded
 from tests.multiworker import REPO, _Capture, concurrently, python_worker, worker_env
 
 PLAIN = 0     # one process of plain Keras, no keras_mwms imported (`jobs.py --plain`)
@@ -275,9 +276,8 @@ class SharedRuns:
         plan = [{"name": job.key, "script": job.script,
                  "argv": [part.replace("{out}", str(folder / job.key)) for part in job.argv]} for job in jobs]
         (folder / "plan.json").write_text(json.dumps(plan, indent=1))
-        command = ["nice", "-n", str(BACKGROUND_NICENESS),
-                   *python_worker("jobs.py", str(folder / "plan.json"),
-                                  *(["--plain"] if runner.workers == PLAIN else []), *runner.flags)]
+        command = python_worker("jobs.py", str(folder / "plan.json"),
+                                *(["--plain"] if runner.workers == PLAIN else []), *runner.flags)
         env = worker_env(runner.backend, **dict(runner.env))
         timeout = START_SECONDS + sum(job.seconds for job in jobs)
         started = time.monotonic()
@@ -314,7 +314,10 @@ class _Processes:
     def __init__(self, command: list[str], workers: int, env: dict[str, str]) -> None:
         self.command, self.workers, self.env = command, workers, env
         self.capture = _Capture()
-        self.gang: Gang | None = Gang(command, workers, grace_period=5.0, extra_env=env) if workers > SINGLE else None
+        # Forked after the imports where that equals a fresh start (tests/preloaded.py), at `nice`.
+        start = partial(preloaded.popen, nice=BACKGROUND_NICENESS)
+        self.gang: Gang | None = (Gang(command, workers, grace_period=5.0, extra_env=env, start_process=start)
+                                  if workers > SINGLE else None)
         self.single: subprocess.Popen | None = None
         self._pump: threading.Thread | None = None
 
@@ -323,9 +326,8 @@ class _Processes:
             self.gang.start(self.capture)
             return
         environment = {**{key: value for key, value in os.environ.items() if key != "TF_CONFIG"}, **self.env}
-        self.single = subprocess.Popen(self.command, cwd=REPO, env=environment, stdin=subprocess.DEVNULL,
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                                       preexec_fn=die_with_parent)
+        self.single = preloaded.popen(self.command, cwd=REPO, env=environment, preexec_fn=die_with_parent,
+                                      nice=BACKGROUND_NICENESS)
         self._pump = threading.Thread(target=self._copy, args=(self.single.stdout,), daemon=True)
         self._pump.start()
 

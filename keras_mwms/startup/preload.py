@@ -27,7 +27,7 @@ Forking is the same as a fresh start only where
 Elsewhere `PreloadedProcess.start` answers None with the reason in `refusal`, and the caller
 starts that worker fresh.
 
-Protocol: a request is one JSON line (the command, the environment, the folder) sent with the
+Protocol: a request is one JSON line (the command, the environment, the folder, the niceness) sent with the
 child's stdin and stdout descriptors (`SCM_RIGHTS`; stderr joins stdout) over a Unix socket; the
 answer is one line with the child's pid, then, on the same connection when it ends, one line
 with its wait status and CPU seconds (the preloaded process reaps it). A preloaded process lives
@@ -220,6 +220,8 @@ class PreloadedProcess:
     >>> preloaded = PreloadedProcess(env)
     >>> preloaded.start([sys.executable, "-c", "raise SystemExit(3)"], env).wait(timeout=60)
     3
+    >>> preloaded.start([sys.executable, "-c", "import os; print(os.nice(0))"], env, nice=5).stdout.read()
+    b'5\\n'
     >>> preloaded.start(["nice", sys.executable, "-c", "pass"], env) is None, preloaded.refusal
     (True, 'the command is not this interpreter running a script, -m module or -c code')
     >>> preloaded.stop()
@@ -295,10 +297,11 @@ class PreloadedProcess:
         """Whether it still runs (and forks)."""
         return bool(self.ready) and self.process.poll() is None
 
-    def start(self, argv: list[str], env: dict[str, str], cwd: str | None = None) -> ForkedProcess | None:
-        """Forks a worker running `argv` with `env` in `cwd`; its stdout and stderr come on the
-        answer's `stdout` pipe, its stdin is /dev/null. None (the reason in `refusal`) where a
-        fork is not the same as a fresh start."""
+    def start(self, argv: list[str], env: dict[str, str], cwd: str | None = None,
+              nice: int = 0) -> ForkedProcess | None:
+        """Forks a worker running `argv` with `env` in `cwd` (at `nice` niceness, as `nice -n`
+        would start it); its stdout and stderr come on the answer's `stdout` pipe, its stdin is
+        /dev/null. None (the reason in `refusal`) where a fork is not the same as a fresh start."""
         command = forkable_command(argv)
         if command is None:
             return self._refuse("the command is not this interpreter running a script, -m module or -c code")
@@ -312,7 +315,8 @@ class PreloadedProcess:
         read_end, write_end = os.pipe()
         devnull = os.open(os.devnull, os.O_RDONLY)
         try:
-            pid, connection, pending = self._request(command, env, str(cwd or os.getcwd()), devnull, write_end)
+            pid, connection, pending = self._request({"command": command, "env": env, "cwd": str(cwd or os.getcwd()),
+                                                       "nice": nice}, devnull, write_end)
         except OSError as error:
             os.close(read_end)
             return self._refuse(f"the preloaded process did not answer ({error})")
@@ -330,14 +334,12 @@ class PreloadedProcess:
         self.refusal = reason
         return None
 
-    def _request(self, command: list[str], env: dict[str, str], cwd: str, stdin: int,
-                 stdout: int) -> tuple[int, socket.socket, bytes]:
+    def _request(self, request: dict, stdin: int, stdout: int) -> tuple[int, socket.socket, bytes]:
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         connection.settimeout(ANSWER_TIMEOUT_SECONDS)
         try:
             connection.connect(self.address)
-            request = json.dumps({"command": command, "env": env, "cwd": cwd}).encode() + b"\n"
-            socket.send_fds(connection, [request], [stdin, stdout])
+            socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], [stdin, stdout])
             answer = b""
             while b"\n" not in answer:
                 chunk = connection.recv(4096)
@@ -457,6 +459,8 @@ def _fork_one(listener, connection, children) -> int | None:
         connection.close()
         os.setsid()
         die_with_parent()
+        if request.get("nice"):
+            os.nice(request["nice"])
         os.dup2(fds[0], 0)
         os.dup2(fds[1], 1)
         os.dup2(fds[1], 2)
