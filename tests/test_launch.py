@@ -134,6 +134,33 @@ def test_sigterm_to_the_launcher_is_forwarded(tmp_path):
     assert_no_survivors(pid_dir)
 
 
+def test_ctrl_c_under_preload_reaches_the_workers_through_the_launcher(tmp_path):
+    """A terminal's Ctrl-C (SIGINT to the launcher's whole process group) under --preload: the
+    preloaded process sits in a session of its own, so the workers get the launcher's forwarded
+    SIGINT (their KeyboardInterrupt), not a SIGKILL from a preloaded process that died of it."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "keras_mwms.launch", "--workers", "2", "--grace-period", "5", "--preload",
+         WORKER, "--pid-dir", str(pid_dir), "--sleep", "120"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True)
+    try:
+        wait_until(lambda: len(worker_pids(pid_dir)) == 2, 60, "the workers never started")
+        time.sleep(0.5)
+        os.killpg(process.pid, signal.SIGINT)
+        out, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    assert process.returncode == 128 + signal.SIGINT, err
+    assert "received SIGINT" in err and "every worker exited" in err, err
+    for index in range(2):
+        assert f"[worker {index}] KeyboardInterrupt" in out, out
+    assert_no_survivors(pid_dir)
+
+
 def wait_until(condition, timeout: float, failure: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():

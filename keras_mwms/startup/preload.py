@@ -247,7 +247,7 @@ class PreloadedProcess:
             [sys.executable, "-u", "-c", code], env={**{k: v for k, v in env.items() if k != "TF_CONFIG"},
                                                      **SINGLE_THREADED},
             cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            pass_fds=(status_write,))
+            pass_fds=(status_write,), start_new_session=True)   # a terminal's Ctrl-C is the caller's to forward
         os.close(status_write)
         self._status = os.fdopen(status_read, "rb")
         self._deadline = time.monotonic() + start_timeout
@@ -388,7 +388,7 @@ def serve(address: str, parent: int, status_fd: int) -> None:
     os.write(status_fd, b"ready\n")
     os.close(status_fd)
     children: dict[int, socket.socket] = {}
-    while os.getppid() == parent:   # once it is gone, so is this process and its children
+    while os.getppid() == parent:
         readable, _, _ = select.select([listener], [], [], 0.05)
         if readable:
             connection, _ = listener.accept()
@@ -396,6 +396,9 @@ def serve(address: str, parent: int, status_fd: int) -> None:
             if child:
                 children[child] = connection
         _reap(children)
+    # The caller is gone: so is this process, at once (no interpreter shutdown, which takes
+    # seconds with a framework loaded), and with it its children (their parent-death signal).
+    os._exit(0)
 
 
 def _runtime_started() -> str | None:
