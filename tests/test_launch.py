@@ -251,7 +251,10 @@ def test_workers_die_with_a_killed_launcher(tmp_path, preload):
     assert_no_survivors(pid_dir)
 
 
-def test_preload_forks_every_worker_and_restart_and_keeps_their_exit_codes(tmp_path):
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_preload_forks_every_worker_and_restart_and_keeps_their_exit_codes(tmp_path, monkeypatch, threads):
+    # OMP_NUM_THREADS=2: numpy's OpenBLAS pool would start a thread at import; it is kept off.
+    monkeypatch.setenv("OMP_NUM_THREADS", threads)
     code, out, err, pid_dir = launch(tmp_path, "--workers", "2", "--max-restarts", "1", "--grace-period", "2",
                                      "--preload", worker_args=["--fail-first-attempt"], timeout=120)
     assert code == 0, err + out
@@ -259,7 +262,8 @@ def test_preload_forks_every_worker_and_restart_and_keeps_their_exit_codes(tmp_p
     assert "worker 1 failed with exit code 7" in err and "attempt 2/2" in err, err
     for attempt in range(2):
         for index in range(2):
-            assert f"[worker {index}] hello from index {index} attempt {attempt} of 2 threads=1 preloaded=True" in out, out
+            assert (f"[worker {index}] hello from index {index} attempt {attempt} of 2 threads={threads} "
+                    "preloaded=True") in out, out
     assert "[worker 1] stderr line from 1" in out   # stderr joins stdout, prefixed
     assert "index 0 done" in out and "fresh" not in err, err
     assert len(worker_pids(pid_dir)) == 4
@@ -267,14 +271,15 @@ def test_preload_forks_every_worker_and_restart_and_keeps_their_exit_codes(tmp_p
 
 
 def test_preload_without_a_fork_starts_workers_fresh_and_says_why(tmp_path, monkeypatch):
-    # numpy's OpenBLAS pool starts a thread at import with 2 threads asked: forking is refused.
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    # numpy's OpenBLAS pool starts a thread at import with 2 threads asked (the user's own
+    # OPENBLAS_NUM_THREADS, which preloading keeps): forking is refused.
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
     code, out, err, pid_dir = launch(tmp_path, "--workers", "2", "--preload", timeout=120)
     assert code == 0, err + out
     assert "threads run after the imports" in err and "starting workers fresh" in err, err
     assert err.count("--preload:") == 1, err   # once, not once per worker
     for index in range(2):
-        assert f"hello from index {index} attempt 0 of 2 threads=2 preloaded=False" in out, out
+        assert f"hello from index {index} attempt 0 of 2 threads=1 preloaded=False" in out, out
     assert_no_survivors(pid_dir)
 
 

@@ -19,8 +19,8 @@ Forking is the same as a fresh start only where
   thread counts') has the preloaded process's value (`import_time_key`); a worker's identity
   (`TF_CONFIG`, `KERAS_MWMS_*`, `CUDA_VISIBLE_DEVICES`, ...) is read later and may differ;
 * the preloaded process still has one thread after its imports (forking a threaded process
-  copies locks without their owners: numpy's OpenBLAS pool without `OMP_NUM_THREADS=1`
-  starts threads at import), and no device runtime started (CUDA, JAX's backends,
+  copies locks without their owners: it imports with numpy's OpenBLAS pool and pyarrow's
+  allocator thread off, `SINGLE_THREADED`), and no device runtime started (CUDA, JAX's backends,
   TensorFlow's devices: a worker's GPUs are chosen by its `CUDA_VISIBLE_DEVICES`, read when
   its runtime starts; none of the three starts one at import).
 
@@ -39,7 +39,7 @@ Pure Python on the caller's side: only the preloaded process imports an ML frame
 Example:
 
 >>> import os, subprocess, sys
->>> env = {**os.environ, "KERAS_BACKEND": "jax", "OMP_NUM_THREADS": "1"}
+>>> env = {**os.environ, "KERAS_BACKEND": "jax"}
 >>> preloaded = PreloadedProcess(env)
 >>> child = preloaded.start([sys.executable, "-c", "import sys; print('keras' in sys.modules)"], env)
 >>> child.stdout.read(), child.wait(timeout=60)
@@ -70,10 +70,14 @@ IMPORT_TIME_PREFIXES = ("KERAS_", "TF_", "JAX_", "XLA_", "PYTHON", "OMP_", "MKL_
 # ... except these, read when the strategy starts (a worker's identity, its GPUs, XLA's flags).
 READ_LATER = ("TF_CONFIG", "KERAS_MWMS_", "PYTHONUNBUFFERED", "TF_XLA_FLAGS", "XLA_FLAGS", "CUDA_VISIBLE_DEVICES",
               "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
-# pyarrow (imported by Keras through pandas) starts jemalloc's background thread at load; a
-# process forked with it would hold a copy of a lock without its owner. Off in the preloaded
-# process only (the children allocate as they would, minus that thread).
-SINGLE_THREADED = {"JE_ARROW_MALLOC_CONF": "background_thread:false"}
+# Threads started at import, off in the preloaded process only (a process forked with them
+# would hold copies of locks without their owners): pyarrow's jemalloc background thread
+# (pyarrow comes with Keras through pandas; the children allocate as they would, minus that
+# thread) and numpy's OpenBLAS pool, which starts `OMP_NUM_THREADS` - 1 threads at import (the
+# launcher sets cores ÷ workers; the children's numpy BLAS then runs on one thread, while
+# TensorFlow's and torch's pools are sized when the strategy starts). A user's own
+# OPENBLAS_NUM_THREADS wins (and above 1 it keeps the process from forking).
+SINGLE_THREADED = {"JE_ARROW_MALLOC_CONF": "background_thread:false", "OPENBLAS_NUM_THREADS": "1"}
 START_TIMEOUT_SECONDS = 120    # for the imports and the first answer (3-5 s on a laptop)
 ANSWER_TIMEOUT_SECONDS = 30    # for a running preloaded process to answer with a child's pid
 _PR_SET_PDEATHSIG = 1
@@ -216,7 +220,7 @@ class PreloadedProcess:
     Example:
 
     >>> import os, sys
-    >>> env = {**os.environ, "KERAS_BACKEND": "jax", "OMP_NUM_THREADS": "1"}
+    >>> env = {**os.environ, "KERAS_BACKEND": "jax"}
     >>> preloaded = PreloadedProcess(env)
     >>> preloaded.start([sys.executable, "-c", "raise SystemExit(3)"], env).wait(timeout=60)
     3
@@ -244,8 +248,8 @@ class PreloadedProcess:
         code = ("import sys; del sys.path[0]; from keras_mwms.startup.preload import serve; "
                 f"serve({self.address!r}, {os.getpid()}, {status_write})")
         self.process = subprocess.Popen(
-            [sys.executable, "-u", "-c", code], env={**{k: v for k, v in env.items() if k != "TF_CONFIG"},
-                                                     **SINGLE_THREADED},
+            [sys.executable, "-u", "-c", code], env={**SINGLE_THREADED,
+                                                     **{k: v for k, v in env.items() if k != "TF_CONFIG"}},
             cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             pass_fds=(status_write,), start_new_session=True)   # a terminal's Ctrl-C is the caller's to forward
         os.close(status_write)
@@ -375,8 +379,8 @@ def serve(address: str, parent: int, status_fd: int) -> None:
     import keras_mwms  # noqa: F401
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1 or threading.active_count() != 1:
-        os.write(status_fd, f"{threads} threads run after the imports (set OMP_NUM_THREADS=1 for numpy's "
-                            "OpenBLAS pool); forking would copy their locks\n".encode())
+        os.write(status_fd, f"{threads} threads run after the imports (numpy's OpenBLAS pool: "
+                            "OPENBLAS_NUM_THREADS=1); forking would copy their locks\n".encode())
         return
     started = _runtime_started()
     if started:   # every child would share one device runtime's state (and not its GPUs' choice)
