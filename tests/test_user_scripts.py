@@ -355,16 +355,18 @@ def test_keras_own_callbacks_write_the_files_of_one_process_once(runs, variant):
 
 
 def test_a_custom_maximum_metric_is_the_maximum_over_all_rows(runs, three_workers):
-    """A custom Metric whose state is a running maximum (`running_max`): `evaluate` logs one
-    process's maximum on every worker, 2 and 3 of them (fit's logs:
+    """A custom Metric whose state is a running maximum (`running_max`), and one whose running
+    minimum is declared in `keras_mwms_reductions`: `evaluate` logs one process's values on
+    every worker, 2 and 3 of them (fit's logs:
     `test_variant_matches_one_process_of_plain_keras`; before, TensorFlow logged the sum of the
     workers' maxima)."""
     variant = "custom_max_metric"
-    expected = runs.reference(variant)["evaluate"]["largest_error"]
-    for gang_runs, workers in ((runs, 2), (three_workers, 3)):
-        got = [gang_runs.result(variant, worker)["evaluate"]["largest_error"] for worker in range(workers)]
-        assert len(set(got)) == 1, got
-        assert abs(got[0] - expected) <= HISTORY_TOLERANCE, (workers, got, expected)
+    for name in ("largest_error", "smallest_prediction"):   # by its variable's name; declared
+        expected = runs.reference(variant)["evaluate"][name]
+        for gang_runs, workers in ((runs, 2), (three_workers, 3)):
+            got = [gang_runs.result(variant, worker)["evaluate"][name] for worker in range(workers)]
+            assert len(set(got)) == 1, (name, got)
+            assert abs(got[0] - expected) <= HISTORY_TOLERANCE, (name, workers, got, expected)
 
 
 @pytest.mark.slow

@@ -204,10 +204,11 @@ _MIN_NAMES = ("min", "minimum")
 def metric_reduction(metric: Any, variable: Any) -> str:
     """How a metric state variable combines across workers: "sum", "max", "min" or "first".
 
-    A metric may declare `keras_mwms_reductions = {"variable_name": "max"}`; otherwise
-    variables whose name has the word max/maximum or min/minimum (`max`, `running_max`,
-    `min_value`) use max/min, `only_first_replica` ones come from the chief and everything else
-    (totals, counts, confusion matrices) is summed.
+    A metric may declare `keras_mwms_reductions = {"variable_name": "max"}` (also when Keras
+    holds it inside the model's compiled metrics: the metric that owns `variable` is asked);
+    otherwise variables whose name has the word max/maximum or min/minimum (`max`,
+    `running_max`, `min_value`) use max/min, `only_first_replica` ones come from the chief and
+    everything else (totals, counts, confusion matrices) is summed.
 
     Example:
 
@@ -215,8 +216,12 @@ def metric_reduction(metric: Any, variable: Any) -> str:
     >>> metric = Object(keras_mwms_reductions={"peak": "max"})
     >>> [metric_reduction(metric, Object(name=name)) for name in ("peak", "total", "min", "running_max")]
     ['max', 'sum', 'min', 'max']
+    >>> peak = Object(name="peak")
+    >>> compiled = Object(metrics=[Object(variables=[peak], keras_mwms_reductions={"peak": "max"})])
+    >>> metric_reduction(compiled, peak)
+    'max'
     """
-    declared = getattr(metric, "keras_mwms_reductions", {}) or {}
+    declared = getattr(_owner(metric, variable), "keras_mwms_reductions", {}) or {}
     name = variable.name.rsplit("/", 1)[-1]
     if name in declared:
         return declared[name]
@@ -228,6 +233,15 @@ def metric_reduction(metric: Any, variable: Any) -> str:
     if getattr(variable, "aggregation", "sum") == "only_first_replica":
         return "first"
     return "sum"
+
+
+def _owner(metric: Any, variable: Any) -> Any:
+    """The metric among `metric` and the metrics it holds (Keras' compiled metrics hold the
+    user's) whose own variables include `variable`."""
+    for inner in getattr(metric, "metrics", None) or ():
+        if any(held is variable for held in getattr(inner, "variables", ())):
+            return _owner(inner, variable)
+    return metric
 
 
 def reduce_gathered(parts: np.ndarray, op: str) -> np.ndarray:

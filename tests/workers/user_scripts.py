@@ -760,10 +760,11 @@ def variant_layer_state():
 
 
 def variant_custom_max_metric():
-    """A registered custom `Metric` whose state is a running maximum (its variable named as a
-    user names it, `running_max`), compiled with the model: its logs must be one process's
-    maximum on every worker (before: TensorFlow and JAX logged the sum of the workers' maxima,
-    torch each worker's own)."""
+    """Registered custom `Metric`s whose state is a running maximum (its variable named as a
+    user names it, `running_max`) or a running minimum declared in `keras_mwms_reductions`,
+    compiled with the model: their logs must be one process's on every worker (before:
+    TensorFlow and JAX logged the sum of the workers' maxima, torch each worker's own; a
+    declaration was not seen through Keras' compiled metrics)."""
     x, y = regression()
 
     @keras.saving.register_keras_serializable(package="user_scripts")
@@ -780,9 +781,25 @@ def variant_custom_max_metric():
             # A new tensor: Keras' torch fit reads a returned variable lazily, after validation.
             return self.running_max * 1.0
 
+    @keras.saving.register_keras_serializable(package="user_scripts")
+    class SmallestPrediction(keras.metrics.Metric):
+        """A running minimum whose variable's name says nothing: declared for keras_mwms."""
+        keras_mwms_reductions = {"floor": "min"}
+
+        def __init__(self, name="smallest_prediction", **kwargs):
+            super().__init__(name=name, **kwargs)
+            self.floor = self.add_variable(shape=(), initializer=keras.initializers.Constant(1e9), name="floor")
+
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            self.floor.assign(keras.ops.minimum(self.floor, keras.ops.min(y_pred)))
+
+        def result(self):
+            return self.floor * 1.0
+
     with scope():
         model = mlp()
-        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=[LargestError()])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse",
+                      metrics=[LargestError(), SmallestPrediction()])
     history = fit_arrays(model, x, y, validation_split=0.25)
     evaluated = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
     return model, {"history": history, "evaluate": evaluated}

@@ -72,6 +72,21 @@ def _combine_in_replica(context: Any, states: list[tuple[Any, str]]) -> None:
 def combined_results(strategy: Any) -> Callable[[Callable], Callable]:
     """The replacement factory of the trainer's `get_metrics_result`: max/min states combined
     across every replica of `strategy` first (see the module docstring)."""
+    # Outside a replica the combination runs as one tf.function per set of states (an eager
+    # `strategy.run` warns of its overhead; a new function per call would retrace every epoch).
+    functions: dict[tuple[int, ...], Callable] = {}
+
+    def outside_a_replica(states: list[tuple[Any, str]]) -> None:
+        import tensorflow as tf
+
+        key = tuple(id(variable) for variable, _ in states)
+        if key not in functions:
+            functions.clear()   # the model's metrics changed (a new compile): the old ones go
+            functions[key] = tf.function(
+                lambda: strategy.run(lambda: _combine_in_replica(tf.distribute.get_replica_context(), states)))
+        with strategy.scope():
+            functions[key]()
+
     def replacement(original: Callable) -> Callable:
         @functools.wraps(original)
         def get_metrics_result(self, *args, **kwargs):
@@ -83,8 +98,7 @@ def combined_results(strategy: Any) -> Callable[[Callable], Callable]:
                 if context is not None and context.strategy is strategy:   # in a step's replica
                     _combine_in_replica(context, states)
                 else:   # outside a replica (an epoch's end, evaluate's result): every worker is here
-                    with strategy.scope():
-                        strategy.run(lambda: _combine_in_replica(tf.distribute.get_replica_context(), states))
+                    outside_a_replica(states)
             return original(self, *args, **kwargs)
 
         return get_metrics_result
