@@ -388,7 +388,7 @@ class PreloadedStarts:
         if process is None:
             if self.preloaded.refusal not in self._told:
                 self._told.add(self.preloaded.refusal)
-                self.say(f"--preload: {self.preloaded.refusal}; starting workers fresh where so")
+                self.say(f"--preload: {self.preloaded.refusal}; starting workers fresh instead")
             return subprocess.Popen(list(argv), env=env, **popen_options)
         if not self.forked:
             self.say(f"--preload: Keras, its backend and keras_mwms imported once (process "

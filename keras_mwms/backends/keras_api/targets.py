@@ -56,14 +56,14 @@ TRAINER_MAKE_TRAIN_FUNCTION = Target(TRAINER, "make_train_function")
 TRAINER_MAKE_TEST_FUNCTION = Target(TRAINER, "make_test_function")
 TRAINER_MAKE_PREDICT_FUNCTION = Target(TRAINER, "make_predict_function", backends=JAX)
 TRAINER_METRICS_RESULT_OR_LOGS = Target(TRAINER, "_get_metrics_result_or_logs", backends=JAX + TORCH)
+TRAINER_GET_METRICS_RESULT = Target(TRAINER, "get_metrics_result", backends=TF + TORCH)
 BASE_TRAINER_INIT = Target(BASE_TRAINER, "__init__")
 BASE_TRAINER_COMPUTE_METRICS = Target(BASE_TRAINER, "compute_metrics")
 # Keras 3.16's own torch distribution: the DDP wrap, and metric results all-reduced
 TORCH_INITIALIZE_DDP = Target(TRAINER, "_initialize_ddp", backends=TORCH)
-TORCH_GET_METRICS_RESULT = Target(TRAINER, "get_metrics_result", backends=TORCH)
-TF_GET_METRICS_RESULT = Target(TRAINER, "get_metrics_result", backends=TF)
-TF_METRIC_ADD_VARIABLE = Target(METRIC, "add_variable", backends=TF)
 BASE_TRAINER_GET_METRICS_RESULT = Target(BASE_TRAINER, "get_metrics_result", backends=TORCH)
+# TensorFlow: metric states combined by max/min are made per replica (`tensorflow.metric_extremes`)
+TF_METRIC_ADD_VARIABLE = Target(METRIC, "add_variable", backends=TF)
 EPOCH_ITERATOR_ENUMERATE = Target(TRAINER_MODULE, "EpochIterator._enumerate_iterator")
 
 # -- TensorFlow trainer and optimizer -------------------------------------------------------

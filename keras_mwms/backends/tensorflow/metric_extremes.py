@@ -9,8 +9,8 @@ min (a name with the word max/min, or the metric's `keras_mwms_reductions`) is c
 ONLY_FIRST_REPLICA aggregation instead (a read is this replica's own value), and before Keras
 reads the metrics' results (`get_metrics_result`: in every train and test step, and after an
 epoch or an `evaluate`) every replica's value becomes the maximum (minimum) over all replicas:
-one all-gather per such variable, in the step's graph or, outside a replica, in one
-`strategy.run`. Models without such a state pay nothing. torch and JAX combine the same
+one all-gather per such variable, in the step's graph or, outside a replica, in one cached
+`tf.function` running `strategy.run`. Models without such a state pay nothing. torch and JAX combine the same
 variables in their own step payloads.
 
 Example (outside a strategy step: Keras' own results):

@@ -204,7 +204,7 @@ def _metric_rows(backend: Any) -> list[Patch]:
                            "a step (or averages it): a running maximum logs the sum of the maxima",
               parameters=("shape", "initializer", "dtype", "aggregation", "name")),
         Patch(name="tf-metric-extremes-combined",
-              target=targets.TF_GET_METRICS_RESULT,
+              target=targets.TRAINER_GET_METRICS_RESULT,
               replacement=metric_extremes.combined_results(backend.strategy),
               works_around="inside a step each replica reads only its own metric state: a running "
                            "maximum must be the maximum over every replica's"),

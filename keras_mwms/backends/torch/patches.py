@@ -299,7 +299,7 @@ PATCHES = PatchTable("torch", [
           "initialized: a second gradient all-reduce per step on top of keras_mwms' (and "
           "collectives for models outside the scope)",
           applies=_KERAS_DISTRIBUTES),
-    Patch("torch-no-keras-metric-all-reduce", targets.TORCH_GET_METRICS_RESULT, _local_metric_results,
+    Patch("torch-no-keras-metric-all-reduce", targets.TRAINER_GET_METRICS_RESULT, _local_metric_results,
           "Keras 3.16 sums every metric variable across processes in get_metrics_result (one "
           "all-reduce per variable, per step, and min/max metrics summed; TorchDynamo fails in "
           "it under jit_compile=True): results come from this worker's states, made global by "
